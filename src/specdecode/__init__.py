@@ -1,0 +1,9 @@
+"""specdecode: lossless speculative decoding for Hugging Face causal language models."""
+from .engine import METHODS, Engine, Generation, Stats, speculative_decode
+from .errors import SpecDecodeError
+from .sampling import SamplingParams, probs_from_logits
+from .verify import verify
+
+__all__ = ["Engine", "Generation", "Stats", "METHODS", "SpecDecodeError", "SamplingParams",
+           "probs_from_logits", "speculative_decode", "verify"]
+__version__ = "0.1.0"

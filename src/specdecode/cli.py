@@ -1,0 +1,85 @@
+"""Command line: `specdecode generate ...` (and `python -m specdecode ...`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import SpecDecodeError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # usage errors: one line on stderr, exit status 2
+        sys.stderr.write(f"specdecode: error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .engine import METHODS
+    parser = _Parser(prog="specdecode", description="Lossless speculative decoding for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate text from a prompt (streamed), then print stats")
+    g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--method", choices=METHODS, default="draft")
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
+    g.add_argument("--target", default=None, help="built-in name, HF directory, .gguf file or hub id "
+                                                  "(default: qwen2.5-coder-1.5b-instruct)")
+    g.add_argument("--draft", default=None, help="draft model, same forms (default with the default target: "
+                                                 "qwen2.5-coder-0.5b-instruct)")
+    g.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
+                   help="default: bf16 where the hardware supports it natively, else fp32")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    return parser
+
+
+def generate(args) -> None:
+    from .engine import Engine
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
+                         with_draft=args.method == "draft", progress=not args.json)
+    stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           stop=args.stop, chat=args.chat)
+    for delta in stream:
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    result = stream.result
+    if args.json:
+        json.dump(result.as_dict(), sys.stdout)
+        sys.stdout.write("\n")
+        return
+    s = result.stats
+    rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.1%}"
+    sys.stdout.write("\n")
+    sys.stderr.write(f"[{s.method} gamma={s.gamma}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+                     f"({s.tokens_per_second or 0:.2f} tok/s) | target forwards {s.target_forwards} | "
+                     f"accepted {s.accepted}/{s.drafted} ({rate}) | "
+                     f"tokens per target forward {s.mean_accepted_tokens or 0:.2f} | "
+                     f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s | finish: {s.finish_reason}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            generate(args)
+    except SpecDecodeError as e:
+        sys.stderr.write(f"specdecode: error: {' '.join(str(e).split())}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("specdecode: interrupted\n")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

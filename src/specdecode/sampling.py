@@ -1,0 +1,62 @@
+"""One transform from logits to probabilities, shared by target and draft.
+
+Speculative sampling is lossless only if p (target) and q (draft) are the distributions the
+two models would actually sample from, so temperature, top-k and top-p are applied to both by
+this one function. Greedy decoding is its own path: argmax as a one-hot distribution, which the
+verifier treats like any other p (accept iff the draft token is the argmax).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SpecDecodeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+            raise SpecDecodeError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise SpecDecodeError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+            raise SpecDecodeError(f"top_p must be in (0, 1], got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] in float32 (one-hot argmax when greedy)."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    # shift first: a tiny temperature must give the argmax, not inf/inf = nan
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs [..., V] -> token ids [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

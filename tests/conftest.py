@@ -1,0 +1,27 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import byte_tokenizer, save_tiny, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """(target_dir, draft_dir): tiny fp32 models saved as HF directories with a byte tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    return save_tiny(root / "target", seed=0), save_tiny(root / "draft", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    from specdecode import Engine
+    tok = byte_tokenizer()
+    return Engine(tiny_model(0), tok, tiny_model(1), tok)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))

@@ -1,0 +1,271 @@
+"""End to end on tiny random fp32 models: speculative output equals plain decoding, token for token."""
+import pytest
+import torch
+
+from specdecode import Engine, SamplingParams, SpecDecodeError, Stats, speculative_decode
+from specdecode.drafters import DraftModel, PromptLookup
+from specdecode.kv import CachedLM
+from tiny import byte_tokenizer, tiny_model
+
+GREEDY = SamplingParams()
+
+
+def run(target, drafter, prompt, gamma, n, params=GREEDY, seed=0, eos=frozenset()):
+    stats = Stats()
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for new in speculative_decode(target, drafter, prompt, gamma=gamma, params=params, max_new_tokens=n,
+                                  eos_ids=set(eos), generator=gen, stats=stats):
+        out += new
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_model(0), tiny_model(1)
+
+
+PROMPTS = [[5, 17, 42, 99, 3], list(range(30, 60)), [7]]
+
+
+def check_stats(stats, out, n):
+    assert stats.new_tokens == len(out) == n
+    assert stats.accepted <= stats.drafted
+    assert sum(stats.accepted_per_position) == stats.accepted
+    assert sum(stats.drafted_per_position) == stats.drafted
+    assert stats.target_forwards * 1 <= len(out)
+    assert stats.new_tokens == stats.accepted + stats.target_forwards  # one residual/bonus per pass, no EOS cut
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_draft_equals_target_draft(models, prompt):
+    target_model, _ = models
+    plain, _ = run(CachedLM(target_model), None, prompt, 0, 200)
+    spec, stats = run(CachedLM(target_model), DraftModel(target_model, 257), prompt, 5, 200)
+    assert spec == plain
+    check_stats(stats, spec, 200)
+    assert stats.accepted == stats.drafted  # draft = target: everything is accepted
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_greedy_unrelated_draft_equals_plain(models, gamma):
+    target_model, draft_model = models
+    for prompt in PROMPTS[:2]:
+        plain, _ = run(CachedLM(target_model), None, prompt, 0, 300)
+        spec, stats = run(CachedLM(target_model), DraftModel(draft_model, 257), prompt, gamma, 300)
+        assert spec == plain
+        check_stats(stats, spec, 300)
+        assert stats.target_forwards < 300 or stats.accepted == 0
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_greedy_pld_equals_plain(models, gamma):
+    target_model, _ = models
+    for prompt in PROMPTS:
+        plain, _ = run(CachedLM(target_model), None, prompt, 0, 300)
+        spec, stats = run(CachedLM(target_model), PromptLookup(), prompt, gamma, 300)
+        assert spec == plain
+        assert stats.new_tokens == 300 and stats.accepted <= stats.drafted
+
+
+def test_pld_accepts_on_repetitive_text(models):
+    target_model, _ = models
+    # a random model falls into loops; prompt lookup must then win
+    _, stats = run(CachedLM(target_model), PromptLookup(), PROMPTS[1], 4, 300)
+    assert stats.accepted > 0 and stats.target_forwards < 300
+
+
+def test_draft_cache_stays_in_step(models):
+    """After every step both caches hold exactly committed tokens (target: all but the last)."""
+    target_model, draft_model = models
+    target, drafter = CachedLM(target_model), DraftModel(draft_model, 257)
+    committed = list(PROMPTS[0])
+    stats = Stats()
+    for new in speculative_decode(target, drafter, committed[:], gamma=4, params=GREEDY, max_new_tokens=60,
+                                  eos_ids=set(), generator=torch.Generator(), stats=stats):
+        committed += new
+        assert target.ids == committed[:-1]
+        assert drafter.lm.ids == committed[:len(drafter.lm.ids)]
+        assert len(drafter.lm.ids) >= len(committed) - 2
+
+
+def test_rollback_equals_fresh_prefill(models):
+    """KV rollback invariant: logits after a rejection equal a fresh prefill of the accepted text."""
+    target_model, _ = models
+    prefix, draft = [5, 17, 42, 99, 3, 8], [11, 12, 13, 14, 15]
+    lm = CachedLM(target_model)
+    lm.forward(prefix[:-1])
+    lm.forward([prefix[-1]] + draft)  # verify pass over the whole draft
+    for keep in [4, 2, 0]:  # accept 4, then 2, then 0 draft tokens: roll back further each time
+        lm.rollback(len(prefix) + keep)
+        got = lm.forward([77])[-1]
+        fresh = CachedLM(target_model)
+        want = fresh.forward(prefix + draft[:keep] + [77])[-1]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        lm.rollback(len(prefix) + keep)
+        assert lm.ids == prefix + draft[:keep]
+    with pytest.raises(ValueError):
+        lm.rollback(len(lm) + 1)
+
+
+def test_keep_positions_equals_fresh_prefill(models):
+    """The tree form of rollback: keep a non-prefix set of positions."""
+    target_model, _ = models
+    lm = CachedLM(target_model)
+    seq = [5, 17, 42, 99, 3, 8, 9, 10]
+    lm.forward(seq)
+    # positions 6, 7 were computed with positions 0..5 as context, so keeping 0..5 and then appending works
+    lm.keep([0, 1, 2, 3, 4, 5])
+    got = lm.forward([77])[-1]
+    want = CachedLM(target_model).forward(seq[:6] + [77])[-1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_eos_inside_draft_stops_there(models):
+    target_model, _ = models
+    plain, _ = run(CachedLM(target_model), None, PROMPTS[0], 0, 100)
+    eos = plain[37]  # pretend the 38th token is EOS: both methods must stop right after it
+    cut = plain[:plain.index(eos) + 1]
+    for drafter in (DraftModel(target_model, 257), PromptLookup()):
+        spec, stats = run(CachedLM(target_model), drafter, PROMPTS[0], 6, 100, eos={eos})
+        assert spec == cut
+        assert stats.finish_reason == "eos" and stats.new_tokens == len(cut)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 13])
+def test_max_new_tokens_inside_draft(models, n):
+    target_model, _ = models
+    spec, stats = run(CachedLM(target_model), DraftModel(target_model, 257), PROMPTS[0], 8, n)
+    plain, _ = run(CachedLM(target_model), None, PROMPTS[0], 0, n)
+    assert spec == plain and len(spec) == n and stats.finish_reason == "length"
+
+
+def test_context_limit(models):
+    small = tiny_model(0, max_pos=40)
+    out, stats = run(CachedLM(small), DraftModel(small, 257), list(range(30, 60)), 8, 100)
+    assert len(out) == 10 and stats.finish_reason == "length"
+    with pytest.raises(SpecDecodeError, match="context"):
+        run(CachedLM(small), None, list(range(50)), 4, 10)
+
+
+def test_sampling_is_reproducible_with_seed(models):
+    target_model, draft_model = models
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95)
+    a, _ = run(CachedLM(target_model), DraftModel(draft_model, 257), PROMPTS[0], 4, 80, params, seed=3)
+    b, _ = run(CachedLM(target_model), DraftModel(draft_model, 257), PROMPTS[0], 4, 80, params, seed=3)
+    c, _ = run(CachedLM(target_model), DraftModel(draft_model, 257), PROMPTS[0], 4, 80, params, seed=4)
+    assert a == b and a != c
+
+
+def test_sampled_first_token_follows_target(models):
+    """Engine-level check of losslessness: the first sampled token of draft decoding (many seeds,
+    batched over runs) has the target's distribution. The exhaustive test is test_verify_stats."""
+    from scipy.stats import chisquare
+
+    from specdecode.sampling import probs_from_logits
+    target_model, draft_model = models
+    params = SamplingParams(temperature=1.5, top_k=8)
+    prompt = PROMPTS[0]
+    p = probs_from_logits(CachedLM(target_model).forward(prompt)[-1], params)
+    target, drafter = CachedLM(target_model), DraftModel(draft_model, 257)
+    counts = torch.zeros(257)
+    N = 3000
+    for seed in range(N):
+        out, _ = run(target, drafter, prompt, 2, 1, params, seed=seed)
+        counts[out[0]] += 1
+    support = p > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].numpy(), (p[support] * N).numpy()).pvalue > 1e-6
+
+
+# -- Engine API (text level) -------------------------------------------------------------------
+
+def test_engine_generate_text_and_stats(tiny_engine):
+    a = tiny_engine.generate("hello world", method="autoregressive", max_new_tokens=40)
+    for method in ("draft", "pld"):
+        b = tiny_engine.generate("hello world", method=method, gamma=3, max_new_tokens=40)
+        assert b.token_ids == a.token_ids and b.text == a.text
+        s = b.stats
+        assert s.new_tokens == len(b.token_ids) and s.accepted <= s.drafted and s.wall_s > 0
+        d = s.as_dict()
+        for key in ("new_tokens", "target_forwards", "drafted", "accepted", "acceptance_rate",
+                    "mean_accepted_tokens", "accepted_per_position", "wall_s", "tokens_per_second",
+                    "draft_s", "verify_s"):
+            assert key in d
+
+
+def test_stream_concatenates_to_text_and_never_splits_characters():
+    tok = byte_tokenizer()
+    engine = Engine(tiny_model(2), tok)
+    # a byte tokenizer emits multi-byte UTF-8 characters in pieces: the stream must hold them back
+    deltas = list(engine.stream("日本語のテキスト", method="pld", max_new_tokens=120, temperature=1.0, seed=1))
+    result = engine.generate("日本語のテキスト", method="pld", max_new_tokens=120, temperature=1.0, seed=1)
+    assert "".join(deltas) == result.text
+    assert all("\ufffd" not in d[-1:] or d == result.text[-len(d):] for d in deltas)
+
+
+def test_stop_strings(tiny_engine):
+    full = tiny_engine.generate("abc", method="autoregressive", max_new_tokens=60)
+    stop = full.text[20:23]
+    assert len(stop) == 3
+    idx = full.text.index(stop)
+    for method in ("autoregressive", "draft", "pld"):
+        stream = tiny_engine.stream("abc", method=method, max_new_tokens=60, stop=[stop])
+        deltas = list(stream)
+        r = stream.result
+        assert r.text == full.text[:idx] == "".join(deltas)
+        assert r.stats.finish_reason == "stop"
+        assert r.token_ids == full.token_ids[:len(r.token_ids)] and r.stats.new_tokens == len(r.token_ids)
+        assert stop in tiny_engine.decode(r.token_ids) and stop not in tiny_engine.decode(r.token_ids[:-1])
+
+
+def test_chat_template(tiny_engine):
+    ids = tiny_engine.encode([{"role": "user", "content": "hi"}])
+    assert tiny_engine.decode(ids) == "<user>hi\n<assistant>"
+    assert tiny_engine.encode("hi", chat=True) == ids
+    assert tiny_engine.generate("hi", chat=True, max_new_tokens=5).stats.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt=""), "empty"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(gamma=0), "gamma"),
+    (dict(gamma=-1), "gamma"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(method="beam"), "method"),
+    (dict(stop=[""]), "stop"),
+])
+def test_bad_input_is_a_clear_error(tiny_engine, kwargs, match):
+    kwargs = {"prompt": "hello", "method": "draft", **kwargs}
+    with pytest.raises(SpecDecodeError, match=match):
+        tiny_engine.generate(kwargs.pop("prompt"), **kwargs)
+
+
+def test_draft_method_without_draft_model():
+    engine = Engine(tiny_model(0), byte_tokenizer())
+    with pytest.raises(SpecDecodeError, match="draft model"):
+        engine.generate("hi", method="draft")
+
+
+def test_incompatible_tokenizers():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, "[UNK]")))
+    with pytest.raises(SpecDecodeError, match="tokenizers differ"):
+        Engine(tiny_model(0), byte_tokenizer(), tiny_model(1), other)
+
+
+def test_draft_vocab_padding_is_aligned():
+    """A draft whose embedding is padded to a different size still proposes only target tokens."""
+    tok = byte_tokenizer()
+    engine = Engine(tiny_model(0), tok, tiny_model(1, vocab_size=300), tok)
+    a = engine.generate("hello", method="autoregressive", max_new_tokens=50)
+    b = engine.generate("hello", method="draft", gamma=4, max_new_tokens=50)
+    assert a.token_ids == b.token_ids
+    c = engine.generate("hello", method="draft", gamma=4, max_new_tokens=50, temperature=1.0, seed=0)
+    assert max(c.token_ids) < 257

@@ -1,0 +1,45 @@
+"""Tiny random fp32 causal LMs with a byte-level tokenizer, built in the tests (no downloads)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+EOS = "<|endoftext|>"
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """256 byte tokens + EOS: multi-byte characters span several tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab[EOS] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return fast
+
+
+def tiny_model(seed: int, vocab_size: int = 257, layers: int = 2, hidden: int = 64, max_pos: int = 512,
+               eos_token_id: int | None = 256) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_pos, tie_word_embeddings=False,
+                         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
+    model = Qwen2ForCausalLM(config).float().eval()
+    # Sharper than the default init, so that greedy paths have structure and sampling is not uniform.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def save_tiny(path: Path, seed: int, **kwargs) -> Path:
+    model = tiny_model(seed, **kwargs)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
