@@ -37,7 +37,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: bf16 where the hardware supports it natively, else fp32")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+
+    b = sub.add_parser("bench", help="benchmark methods against plain decoding (and HF assisted generation)")
+    b.add_argument("--prompts", required=True, help="JSONL file: 'prompt' (completion) or 'turns' (chat) per line")
+    b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    b.add_argument("--methods", default="autoregressive,draft,pld,hf-assisted",
+                   help="comma-separated: autoregressive,draft,pld,hf-assisted")
+    b.add_argument("--gamma", type=int, default=4)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--target", default=None)
+    b.add_argument("--draft", default=None)
+    b.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
+    b.add_argument("--device", default=None)
+    b.add_argument("--out", default="bench-out", help="directory for results.json, report.md, *.png")
     return parser
+
+
+def bench(args) -> None:
+    from .bench import load_prompts, parse_methods, report, run_bench, write_outputs
+    from .engine import Engine
+    from .sampling import SamplingParams
+    methods = parse_methods(args.methods)
+    prompts = load_prompts(args.prompts, args.limit)
+    SamplingParams(args.temperature)  # validate before loading models
+    if args.gamma <= 0 or args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
+        raise SpecDecodeError("--gamma, --max-new-tokens and --limit must be positive")
+    engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
+                         with_draft=bool({"draft", "hf-assisted"} & set(methods)))
+    if engine.draft_model is None and {"draft", "hf-assisted"} & set(methods):
+        raise SpecDecodeError("methods draft and hf-assisted need a draft model (--draft)")
+    results = run_bench(engine, prompts, methods, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, seed=args.seed)
+    out = write_outputs(results, args.out)
+    sys.stdout.write(report(results).split("\n## Per prompt")[0] + f"\nwritten to {out}/\n")
 
 
 def generate(args) -> None:
@@ -72,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             generate(args)
+        elif args.command == "bench":
+            bench(args)
     except SpecDecodeError as e:
         sys.stderr.write(f"specdecode: error: {' '.join(str(e).split())}\n")
         return 2

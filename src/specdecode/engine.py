@@ -32,6 +32,7 @@ class Stats:
     target_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # passes where a draft token was rejected (the rest were all accepted)
     accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
     drafted_per_position: list[int] = field(default_factory=list)  # drafted count at draft position i
     wall_s: float = 0.0
@@ -57,6 +58,7 @@ class Stats:
         self.target_forwards += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejections += accepted < drafted
         grow = drafted - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow

@@ -96,6 +96,8 @@ def load_model(spec: str, dtype: str | None = None, device: str | None = None, p
             raise SpecDecodeError(f"{path} is not a Hugging Face model directory (no config.json)")
     elif Path(spec).exists():
         raise SpecDecodeError(f"{spec} is neither a model directory nor a .gguf file")
+    elif spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
+        raise SpecDecodeError(f"model not found: {spec} (no such directory; a hub id looks like 'org/name')")
     else:
         path = spec  # a hub id: needs a network or the HF cache
     try:

@@ -1,0 +1,273 @@
+"""`specdecode bench`: every method against plain decoding (and Hugging Face assisted generation)
+on a prompt file, in one run, interleaved prompt by prompt so that machine drift hits all alike.
+
+Writes results.json, report.md, speedup.png and acceptance.png to --out.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .engine import METHODS, Engine
+from .errors import SpecDecodeError
+
+BENCH_METHODS = (*METHODS, "hf-assisted")
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """JSONL rows with `prompt` (raw completion) or `turns` (chat; first turn), optional `category`."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecDecodeError(f"prompt file not found: {path}")
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecDecodeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise SpecDecodeError(f"{path}:{lineno}: expected a JSON object")
+        if isinstance(obj.get("prompt"), str) and obj["prompt"]:
+            row = {"prompt": obj["prompt"], "chat": False}
+        elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
+            row = {"prompt": obj["turns"][0], "chat": True}
+        else:
+            raise SpecDecodeError(f"{path}:{lineno}: needs a non-empty 'prompt' string or a 'turns' list of strings")
+        row["id"] = str(obj.get("task_id", obj.get("question_id", lineno)))
+        row["category"] = obj.get("category") if isinstance(obj.get("category"), str) else None
+        rows.append(row)
+        if limit and len(rows) >= limit:
+            break
+    if not rows:
+        raise SpecDecodeError(f"{path}: no prompts")
+    return rows
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m not in BENCH_METHODS]
+    if bad or not methods:
+        raise SpecDecodeError(f"unknown method(s) {', '.join(bad) or '(none)'}; choose from {', '.join(BENCH_METHODS)}")
+    if "autoregressive" not in methods:
+        methods.insert(0, "autoregressive")  # the baseline every speedup is measured against
+    return methods
+
+
+def analytic_bound(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al. 2023, Theorem 3.8: expected walltime improvement factor."""
+    if alpha >= 1.0:
+        return (gamma + 1) / (gamma * c + 1)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def alpha_from_counts(accepted: int, rejections: int) -> float | None:
+    """Per-token acceptance alpha: a draft token is tested only if all before it were accepted, so
+    alpha = accepted / (accepted + rejections) (the geometric-model estimate)."""
+    tested = accepted + rejections
+    return accepted / tested if tested else None
+
+
+def hf_assisted(engine: Engine, prompt_ids: list[int], gamma: int, max_new_tokens: int,
+                temperature: float, seed: int | None) -> dict:
+    """The peer: transformers' assisted generation with the same models (its default schedule)."""
+    target, draft = engine.target.model, engine.draft_model.lm.model
+    x = torch.tensor([prompt_ids], device=engine.target.device)
+    kwargs = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=0)
+    if seed is not None:
+        torch.manual_seed(seed)
+    draft.generation_config.num_assistant_tokens = gamma
+    t = time.perf_counter()
+    out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=draft, max_new_tokens=max_new_tokens,
+                          eos_token_id=sorted(engine.eos_ids), pad_token_id=sorted(engine.eos_ids)[0], **kwargs)
+    wall = time.perf_counter() - t
+    ids = out[0, len(prompt_ids):].tolist()
+    return {"token_ids": ids, "new_tokens": len(ids), "wall_s": wall}
+
+
+def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = 4, max_new_tokens: int = 128,
+              temperature: float = 0.0, seed: int | None = 0, progress: bool = True) -> dict:
+    greedy = temperature == 0
+    # warm-up (excluded): first calls pay for allocations and kernel selection
+    for m in methods:
+        _run_one(engine, prompts[0], m, gamma, 8, temperature, seed)
+    rows = []
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress)
+    for p in prompts:
+        for m in methods:  # interleaved, prompt by prompt
+            bar.set_postfix_str(f"{p['id']} {m}")
+            rows.append({"prompt_id": p["id"], "category": p["category"], "method": m,
+                         **_run_one(engine, p, m, gamma, max_new_tokens, temperature, seed)})
+            bar.update(1)
+    bar.close()
+    return summarize(rows, methods, gamma=gamma, greedy=greedy,
+                     config=dict(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                 prompts=len(prompts), methods=methods, device=str(engine.target.device),
+                                 dtype=str(next(engine.target.model.parameters()).dtype).replace("torch.", ""),
+                                 torch_threads=torch.get_num_threads()))
+
+
+def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed) -> dict:
+    if method == "hf-assisted":
+        r = hf_assisted(engine, engine.encode(p["prompt"], p["chat"]), gamma, max_new_tokens, temperature, seed)
+        return {**r, "tokens_per_second": r["new_tokens"] / r["wall_s"], "target_forwards": None, "drafted": None,
+                "accepted": None, "rejections": None, "mean_accepted_tokens": None, "acceptance_rate": None,
+                "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None}
+    g = engine.generate(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed)
+    s = g.stats
+    return {"token_ids": g.token_ids, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
+            "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,
+            "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
+            "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,
+            "drafted_per_position": s.drafted_per_position, "draft_s": s.draft_s, "verify_s": s.verify_s,
+            "prefill_s": s.prefill_s}
+
+
+def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool, config: dict) -> dict:
+    """Per-method totals, speedups against autoregressive from the same run, the analytic bound."""
+    def total(m, key):
+        return sum(r[key] for r in rows if r["method"] == m and r[key] is not None)
+
+    def tps(m):
+        wall = total(m, "wall_s")
+        return total(m, "new_tokens") / wall if wall else None
+
+    base = tps("autoregressive")
+    ar_step = (total("autoregressive", "verify_s") / total("autoregressive", "target_forwards")
+               if total("autoregressive", "target_forwards") else None)
+    ar_ids = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == "autoregressive"}
+    out = {}
+    for m in methods:
+        mine = [r for r in rows if r["method"] == m]
+        t = tps(m)
+        res = {"tokens_per_second": t, "speedup": t / base if t and base else None, "new_tokens": total(m, "new_tokens"),
+               "wall_s": total(m, "wall_s"), "mean_accepted_tokens": None, "acceptance_rate": None, "alpha": None,
+               "draft_cost_ratio": None, "verify_cost_ratio": None, "analytic_bound": None, "efficiency": None,
+               "acceptance_by_position": None, "greedy_agreement": None}
+        if m != "hf-assisted" and total(m, "target_forwards"):
+            fwd = total(m, "target_forwards")
+            res["mean_accepted_tokens"] = total(m, "new_tokens") / fwd
+            res["verify_cost_ratio"] = total(m, "verify_s") / fwd / ar_step if ar_step else None
+        if m in ("draft", "pld") and total(m, "drafted"):
+            acc, drafted = total(m, "accepted"), total(m, "drafted")
+            res["acceptance_rate"] = acc / drafted
+            res["alpha"] = alpha = alpha_from_counts(acc, total(m, "rejections"))
+            res["draft_cost_ratio"] = c = (total(m, "draft_s") / drafted / ar_step) if ar_step else None
+            if alpha is not None and c is not None:
+                res["analytic_bound"] = analytic_bound(alpha, gamma, c)
+                res["efficiency"] = res["speedup"] / res["analytic_bound"] if res["speedup"] else None
+            width = max(len(r["drafted_per_position"] or []) for r in mine)
+            res["acceptance_by_position"] = [
+                sum((r["accepted_per_position"] or [0] * width)[i] for r in mine if len(r["drafted_per_position"] or []) > i)
+                / max(1, sum(r["drafted_per_position"][i] for r in mine if len(r["drafted_per_position"] or []) > i))
+                for i in range(width)]
+        if greedy and m != "autoregressive":
+            res["greedy_agreement"] = sum(r["token_ids"] == ar_ids.get(r["prompt_id"]) for r in mine) / len(mine)
+        cats = sorted({r["category"] for r in mine if r["category"]})
+        if cats:
+            res["by_category"] = {}
+            for cat in cats:
+                def cat_tps(mm):
+                    rr = [r for r in rows if r["method"] == mm and r["category"] == cat]
+                    w = sum(r["wall_s"] for r in rr)
+                    return sum(r["new_tokens"] for r in rr) / w if w else None
+                ct, cb = cat_tps(m), cat_tps("autoregressive")
+                res["by_category"][cat] = {"tokens_per_second": ct, "speedup": ct / cb if ct and cb else None}
+        out[m] = res
+    return {"config": config, "methods": out, "prompts": rows}
+
+
+def write_outputs(results: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "report.md").write_text(report(results))
+    plot_speedup(results, out / "speedup.png")
+    plot_acceptance(results, out / "acceptance.png")
+    return out
+
+
+def _f(x, fmt="{:.2f}"):
+    return "–" if x is None else fmt.format(x)
+
+
+def report(results: dict) -> str:
+    cfg = results["config"]
+    lines = [f"# specdecode bench\n",
+             f"{cfg['prompts']} prompts, max_new_tokens={cfg['max_new_tokens']}, gamma={cfg['gamma']}, "
+             f"temperature={cfg['temperature']}, {cfg['device']} {cfg['dtype']}, {cfg['torch_threads']} threads\n",
+             "| method | tok/s | speedup vs autoregressive | tokens per target pass (τ) | acceptance rate | α | "
+             "draft cost c | verify cost (γ+1 vs 1) | Leviathan bound | efficiency | greedy agreement |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, r in results["methods"].items():
+        lines.append(f"| {m} | {_f(r['tokens_per_second'])} | {_f(r['speedup'], '{:.2f}x')} | "
+                     f"{_f(r['mean_accepted_tokens'])} | {_f(r['acceptance_rate'], '{:.1%}')} | {_f(r['alpha'])} | "
+                     f"{_f(r['draft_cost_ratio'], '{:.3f}')} | {_f(r['verify_cost_ratio'])} | "
+                     f"{_f(r['analytic_bound'], '{:.2f}x')} | {_f(r['efficiency'], '{:.0%}')} | "
+                     f"{_f(r['greedy_agreement'], '{:.0%}')} |")
+    cats = sorted({c for r in results["methods"].values() for c in r.get("by_category", {})})
+    if cats:
+        lines += ["\n## Speedup by category\n", "| method | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+        for m, r in results["methods"].items():
+            bc = r.get("by_category", {})
+            lines.append(f"| {m} | " + " | ".join(_f(bc.get(c, {}).get("speedup"), "{:.2f}x") for c in cats) + " |")
+    lines += ["\n## Per prompt\n", "| prompt | method | tok/s | new tokens | τ | acceptance |", "|---|---|---|---|---|---|"]
+    for r in results["prompts"]:
+        lines.append(f"| {r['prompt_id']} | {r['method']} | {_f(r['tokens_per_second'])} | {r['new_tokens']} | "
+                     f"{_f(r['mean_accepted_tokens'])} | {_f(r['acceptance_rate'], '{:.1%}')} |")
+    lines.append("\nα: per-token acceptance, accepted / (accepted + rejections). c: mean time of one draft "
+                 "forward / one plain target forward. Bound: Leviathan et al. 2023, Thm 3.8, "
+                 "(1 − α^(γ+1)) / ((1 − α)(γc + 1)), which assumes a (γ+1)-token target pass costs what a "
+                 "1-token pass does; the verify-cost column shows what it cost here.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedup(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    methods = list(results["methods"])
+    cats = sorted({c for r in results["methods"].values() for c in r.get("by_category", {})})
+    groups = ["all prompts"] + cats
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * len(methods) / 2), 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        r = results["methods"][m]
+        vals = [r["speedup"] or 0] + [(r.get("by_category", {}).get(c, {}).get("speedup") or 0) for c in cats]
+        ax.bar([g + i * width for g in range(len(groups))], vals, width, label=m)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))], groups, rotation=20 if cats else 0)
+    ax.set_ylabel("speedup vs autoregressive (×, tokens/s ratio)")
+    cfg = results["config"]
+    ax.set_title(f"Speedup, {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, γ={cfg['gamma']}, T={cfg['temperature']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_acceptance(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, r in results["methods"].items():
+        acc = r.get("acceptance_by_position")
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
+    ax.set_xlabel("draft position (1 = first drafted token)")
+    ax.set_ylabel("share of drafted tokens accepted")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance by draft position")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
