@@ -2,10 +2,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import byte_tokenizer, save_tiny, tiny_model  # noqa: E402
+
+# Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait for a busy core
+# make them many times slower on a shared 2-core machine. The default-pair test restores the default.
+DEFAULT_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -52,6 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
     b.add_argument("--device", default=None)
     b.add_argument("--out", default="bench-out", help="directory for results.json, report.md, *.png")
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--method", choices=METHODS, default="draft", help="default speculation (per request: "
+                                                                       "'speculation': {'method', 'gamma'})")
+    s.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
+    s.add_argument("--target", default=None, help="as for generate (default: qwen2.5-coder-1.5b-instruct)")
+    s.add_argument("--draft", default=None, help="as for generate")
+    s.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, else none)")
+    s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one generates; "
+                                                             "more get 503 with Retry-After (default 16)")
+    s.add_argument("--timeout", type=float, default=300.0, help="longest a request may take, in seconds "
+                                                                "(default 300)")
     return parser
 
 
@@ -74,9 +92,23 @@ def bench(args) -> None:
     sys.stdout.write(report(results).split("\n## Per prompt")[0] + f"\nwritten to {out}/\n")
 
 
+def check_args(args) -> None:
+    """Fail fast, before a model load that can take a minute."""
+    from .sampling import SamplingParams
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    for name in ("max_new_tokens", "gamma"):
+        if getattr(args, name) <= 0:
+            raise SpecDecodeError(f"{name} must be a positive integer, got {getattr(args, name)}")
+    if args.method == "draft" and args.target is not None and args.draft is None:
+        raise SpecDecodeError("method 'draft' needs a draft model: pass --draft (or use --method pld)")
+
+
 def generate(args) -> None:
     from .engine import Engine
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise SpecDecodeError("the prompt is empty")
+    check_args(args)
     engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
                          with_draft=args.method == "draft", progress=not args.json)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
@@ -108,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             generate(args)
         elif args.command == "bench":
             bench(args)
+        elif args.command == "serve":
+            from .server import serve
+            serve(args)
     except SpecDecodeError as e:
         sys.stderr.write(f"specdecode: error: {' '.join(str(e).split())}\n")
         return 2

@@ -2,6 +2,7 @@
 
 `propose(ids, gamma, params, generator)` returns a Draft: up to gamma tokens that continue `ids`,
 with their draft probabilities q (or q=None for a deterministic drafter: one-hot q).
+`prefill(ids)` lets a drafter with a cache read the prompt up front (timed as prefill, not drafting);
 `rollback(length)` tells the drafter that only ids[:length] of what it has seen still stands.
 """
 from __future__ import annotations
@@ -30,6 +31,9 @@ class DraftModel:
 
     def reset(self) -> None:
         self.lm.reset()
+
+    def prefill(self, ids: list[int]) -> None:
+        self.lm.forward(ids, last_only=True)
 
     def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> Draft:
         lm = self.lm
@@ -61,6 +65,9 @@ class PromptLookup:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def reset(self) -> None:
+        pass
+
+    def prefill(self, ids: list[int]) -> None:
         pass
 
     def propose(self, ids: list[int], gamma: int, params: SamplingParams = None, generator=None) -> Draft:

@@ -96,8 +96,10 @@ def speculative_decode(target: CachedLM, drafter, prompt_ids: list[int], *, gamm
         drafter.reset()
     ids = list(prompt_ids)
     t = time.perf_counter()
-    if len(ids) > 1:
-        target.forward(ids[:-1], last_only=True)  # prefill; ids[-1] goes with the first draft
+    if len(ids) > 1:  # prefill; ids[-1] goes into the first target pass with the first draft
+        target.forward(ids[:-1], last_only=True)
+        if drafter is not None:
+            drafter.prefill(ids[:-1])
     stats.prefill_s += time.perf_counter() - t
     emitted = 0
     while True:
@@ -217,7 +219,11 @@ class Engine:
         if not all(isinstance(s, str) and s for s in stops):
             raise SpecDecodeError("stop strings must be non-empty strings")
         prompt_ids = self.encode(prompt, chat)
-        generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()  # nondeterministic, and leaves torch's global RNG alone
+        else:
+            generator.manual_seed(seed)
         stats = Stats(method=method, gamma=gamma if drafter is not None else 0, prompt_tokens=len(prompt_ids))
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=gamma, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
