@@ -240,7 +240,8 @@ def plot_speedup(results: dict, path: Path) -> None:
     for i, m in enumerate(methods):
         r = results["methods"][m]
         vals = [r["speedup"] or 0] + [(r.get("by_category", {}).get(c, {}).get("speedup") or 0) for c in cats]
-        ax.bar([g + i * width for g in range(len(groups))], vals, width, label=m)
+        bars = ax.bar([g + i * width for g in range(len(groups))], vals, width, label=m)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))], groups, rotation=20 if cats else 0)
     ax.set_ylabel("speedup vs autoregressive (×, tokens/s ratio)")
@@ -261,6 +262,8 @@ def plot_acceptance(results: dict, path: Path) -> None:
         acc = r.get("acceptance_by_position")
         if acc:
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("share of drafted tokens accepted")
     ax.set_ylim(0, 1.02)
