@@ -223,3 +223,11 @@ def test_tiny_temperature_gives_the_argmax_not_nan():
 def test_bools_are_not_numbers(kwargs):
     with pytest.raises(SpecDecodeError):
         SamplingParams(**kwargs)
+
+
+def test_subnormal_temperature_and_top_p_stay_finite():
+    # 5e-324 is > 0 for Python but 0 in float32: still the argmax / the top token, never nan
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=5e-324)), torch.tensor([0.0, 1.0, 0.0]))
+    assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=5e-324)),
+                       torch.tensor([0.0, 1.0, 0.0]))

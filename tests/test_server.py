@@ -104,7 +104,7 @@ def metric(m, name, **labels):
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-# -- the official client ----------------------------------------------------------------------------------
+# -- the official client ---------------------------------------------------------------------------------------------
 def test_models_and_health(live, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -189,7 +189,7 @@ def test_vanishing_temperature_and_top_p_mean_greedy(live, tiny_engine):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
 
 
-# -- bad input: a 4xx with an OpenAI error body, and the server keeps serving -----------------------------------
+# -- bad input: a 4xx with an OpenAI error body, and the server keeps serving ----------------------------------------
 GOOD = {"model": MODEL, "prompt": "ok", "max_tokens": 2, "speculation": {"method": "autoregressive"}}
 BAD = [
     ("completions", b"{not json", 400, "invalid_json", None),
@@ -278,7 +278,7 @@ def test_official_client_sees_bad_request(client):
     assert e.value.body["code"] == "model_not_found"
 
 
-# -- API key -----------------------------------------------------------------------------------------------------
+# -- API key ---------------------------------------------------------------------------------------------------------
 def test_api_key(tiny_engine):
     srv = LiveServer(create_app(tiny_engine, model_id=MODEL, method="pld", gamma=2, api_key=KEY))
     try:
@@ -305,7 +305,7 @@ def test_api_key(tiny_engine):
         srv.stop()
 
 
-# -- concurrency ----------------------------------------------------------------------------------------------------
+# -- concurrency -----------------------------------------------------------------------------------------------------
 def test_parallel_requests_all_get_the_sequential_answer(live, tiny_engine):
     jobs = []
     for i in range(8):
@@ -531,7 +531,7 @@ def test_metrics_move(live):
         assert name in text
 
 
-# -- the CLI ------------------------------------------------------------------------------------------------------------
+# -- the CLI ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, match", [
     (["serve", "--max-queue", "0"], "max-queue"),
     (["serve", "--timeout", "0"], "timeout"),
@@ -582,7 +582,7 @@ def test_serve_command_matches_generate(tiny_dirs, capsys):
     assert proc.returncode == 0, proc.stderr.read()
 
 
-# -- schemathesis over the app's own OpenAPI document ------------------------------------------------------------------
+# -- schemathesis over the app's own OpenAPI document ----------------------------------------------------------------
 # Built at import: schemathesis.pytest.from_fixture does not work with this pytest (it reads a private attribute).
 FUZZ_APP = create_app(make_engine(), model_id=MODEL, method="pld", gamma=2, max_tokens_cap=8)
 schema = schemathesis.openapi.from_asgi("/openapi.json", FUZZ_APP)

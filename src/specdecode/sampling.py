@@ -40,8 +40,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    # shift first: a tiny temperature must give the argmax, not inf/inf = nan
-    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    # shift first, and keep T representable in float32: a tiny temperature must give the argmax, not nan
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(params.temperature, 1e-30)
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -49,7 +49,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= max(params.top_p, 1e-30)
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
