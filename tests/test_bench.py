@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from specdecode.bench import (alpha_from_counts, analytic_bound, load_prompts, parse_methods, run_bench, summarize,
+from specdecode.bench import (alpha_from_counts, analytic_bound, cost_model_bound, load_prompts, parse_methods, run_bench, summarize,
                               write_outputs)
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
@@ -25,6 +25,9 @@ def test_bound_formula_on_known_values():
     assert analytic_bound(1.0, 4, 0.25) == pytest.approx(5 / 2)
     assert analytic_bound(0.5, 1, 1.0) == pytest.approx(1.5 / 2)
     assert alpha_from_counts(8, 2) == pytest.approx(0.8) and alpha_from_counts(0, 0) is None
+    # with a verify pass costing v = 1 it is the theorem; a dearer pass lowers the ceiling
+    assert cost_model_bound(0.8, 4, 0.05, 1.0) == pytest.approx(analytic_bound(0.8, 4, 0.05))
+    assert cost_model_bound(0.8, 2, 0.3, 2.0) == pytest.approx((1 + 0.8 + 0.64) / (0.6 + 2.0))
 
 
 def _row(pid, method, tokens, wall, **kw):
@@ -58,6 +61,8 @@ def test_speedup_arithmetic_on_known_timings():
     assert d["verify_cost_ratio"] == pytest.approx(16.0 / 80 / ar_step)
     bound = analytic_bound(120 / 180, 3, 4.8 / 240 / ar_step)
     assert d["analytic_bound"] == pytest.approx(bound) and d["efficiency"] == pytest.approx(2.0 / bound)
+    assert d["cost_model_bound"] == pytest.approx(
+        cost_model_bound(120 / 180, 3, 4.8 / 240 / ar_step, 16.0 / 80 / ar_step))
     assert d["acceptance_by_position"] == pytest.approx([0.75, 0.5, 0.25])
     assert d["greedy_agreement"] == 1.0
 

@@ -192,7 +192,8 @@ class Engine:
             text = prompt
         if not text:
             raise SpecDecodeError("the prompt is empty")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # a chat template writes its own special tokens; a raw prompt gets the model's (e.g. BOS)
+        ids = self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
         if not ids:
             raise SpecDecodeError("the prompt is empty after tokenization")
         return list(ids)
@@ -219,6 +220,9 @@ class Engine:
         if not all(isinstance(s, str) and s for s in stops):
             raise SpecDecodeError("stop strings must be non-empty strings")
         prompt_ids = self.encode(prompt, chat)
+        # a stop string that is a special token never shows in the decoded text: stop on its id
+        added = self.tokenizer.get_added_vocab()
+        stop_ids = {added[s] for s in stops if s in added}
         generator = torch.Generator()
         if seed is None:
             generator.seed()  # nondeterministic, and leaves torch's global RNG alone
@@ -226,7 +230,7 @@ class Engine:
             generator.manual_seed(seed)
         stats = Stats(method=method, gamma=gamma if drafter is not None else 0, prompt_tokens=len(prompt_ids))
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=gamma, params=params,
-                                   max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
+                                   max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
                                    generator=generator, stats=stats)
         return TextStream(self, steps, stats, stops)
 

