@@ -143,12 +143,13 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed) -> dic
 
 def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool, config: dict) -> dict:
     """Per-method totals, speedups against autoregressive from the same run, the analytic bound."""
-    def total(m, key):
-        return sum(r[key] for r in rows if r["method"] == m and r[key] is not None)
+    def total(m, key, cat=None):
+        return sum(r[key] for r in rows
+                   if r["method"] == m and r[key] is not None and (cat is None or r["category"] == cat))
 
-    def tps(m):
-        wall = total(m, "wall_s")
-        return total(m, "new_tokens") / wall if wall else None
+    def tps(m, cat=None):
+        wall = total(m, "wall_s", cat)
+        return total(m, "new_tokens", cat) / wall if wall else None
 
     base = tps("autoregressive")
     ar_step = (total("autoregressive", "verify_s") / total("autoregressive", "target_forwards")
@@ -190,11 +191,7 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
         if cats:
             res["by_category"] = {}
             for cat in cats:
-                def cat_tps(mm):
-                    rr = [r for r in rows if r["method"] == mm and r["category"] == cat]
-                    w = sum(r["wall_s"] for r in rr)
-                    return sum(r["new_tokens"] for r in rr) / w if w else None
-                ct, cb = cat_tps(m), cat_tps("autoregressive")
+                ct, cb = tps(m, cat), tps("autoregressive", cat)
                 res["by_category"][cat] = {"tokens_per_second": ct, "speedup": ct / cb if ct and cb else None}
         out[m] = res
     return {"config": config, "methods": out, "prompts": rows}
