@@ -108,19 +108,6 @@ def test_rollback_equals_fresh_prefill(models):
         lm.rollback(len(lm) + 1)
 
 
-def test_keep_positions_equals_fresh_prefill(models):
-    """The tree form of rollback: keep a non-prefix set of positions."""
-    target_model, _ = models
-    lm = CachedLM(target_model)
-    seq = [5, 17, 42, 99, 3, 8, 9, 10]
-    lm.forward(seq)
-    # positions 6, 7 were computed with positions 0..5 as context, so keeping 0..5 and then appending works
-    lm.keep([0, 1, 2, 3, 4, 5])
-    got = lm.forward([77])[-1]
-    want = CachedLM(target_model).forward(seq[:6] + [77])[-1]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
 def test_eos_inside_draft_stops_there(models):
     target_model, _ = models
     plain, _ = run(CachedLM(target_model), None, PROMPTS[0], 0, 100)

@@ -1,9 +1,10 @@
 """Drafters propose tokens; they never touch the target.
 
-`propose(ids, gamma, params, generator)` returns a Draft: up to gamma tokens that continue `ids`,
-with their draft probabilities q (or q=None for a deterministic drafter: one-hot q).
-`prefill(ids)` lets a drafter with a cache read the prompt up front (timed as prefill, not drafting);
-`rollback(length)` tells the drafter that only ids[:length] of what it has seen still stands.
+`propose(ids, gamma, params, generator)` returns a Draft that continues `ids`: a chain, or a token
+tree (tree.py), with the distribution each token was drawn from (q=None: every token was chosen
+deterministically, a one-hot q). `prefill(ids)` lets a drafter with a cache read the prompt up
+front (timed as prefill, not drafting); `commit(length, path, bonus)` tells it that ids[:length],
+the drafted nodes `path` (the accepted branch) and then the token `bonus` are what now stands.
 """
 from __future__ import annotations
 
@@ -13,17 +14,33 @@ import numpy as np
 import torch
 
 from .kv import CachedLM
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams
 
 
 @dataclass
 class Draft:
-    tokens: list[int]  # [gamma'] proposed ids, a chain (gamma' <= gamma; empty = nothing to propose)
-    q: torch.Tensor | None  # [gamma', V] draft probabilities; None = deterministic drafter (one-hot q)
+    tokens: list[int]  # [n] proposed ids (empty = nothing to propose)
+    q: torch.Tensor | None  # [n, V] the distribution each token was drawn from; None = one-hot (deterministic)
+    parents: list[int] | None = None  # [n] parent node of each token (-1 = the last committed token); None = chain
+    expected: float | None = None  # the drafter's estimate of tokens this pass will emit, bonus included
+
+    @property
+    def tree_parents(self) -> list[int]:
+        return list(range(-1, len(self.tokens) - 1)) if self.parents is None else self.parents
+
+    @property
+    def depth(self) -> int:
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return max(depth, default=0)
 
 
 class DraftModel:
-    """A small causal LM that shares the target's tokenizer: gamma forwards, one token each."""
+    """A small causal LM that shares the target's tokenizer, with its own KV cache. Drafting grows a
+    tree of guesses (tree.py); a chain of gamma tokens is the tree with one child per node."""
 
     def __init__(self, model, vocab_size: int):
         self.lm = CachedLM(model)
@@ -35,26 +52,23 @@ class DraftModel:
     def prefill(self, ids: list[int]) -> None:
         self.lm.forward(ids, last_only=True)
 
-    def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> Draft:
-        lm = self.lm
-        # Cache invariant: lm.ids is a prefix of ids (rollback keeps it so); feed what it lacks.
-        pending = ids[len(lm):]
-        tokens, qs = [], []
-        for _ in range(gamma):
-            logits = lm.forward(pending, last_only=True)[-1]  # [V_draft]
-            logits = _fit_vocab(logits, self.vocab_size)
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = probs_from_logits(logits, params)
-                token = int(sample(q, generator))
-                qs.append(q)
-            tokens.append(token)
-            pending = [token]
-        return Draft(tokens, torch.stack(qs) if qs else None)
+    def root(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Logits [V] of the token after ids, and how many tokens this pass fed. Cache invariant:
+        lm.ids is a prefix of ids (commit keeps it so); feed what it lacks."""
+        pending = ids[len(self.lm):]
+        return fit_vocab(self.lm.forward(pending, last_only=True)[-1], self.vocab_size), len(pending)
 
-    def rollback(self, length: int) -> None:
-        self.lm.rollback(min(length, len(self.lm)))
+    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """One pass over tree nodes (parents: draft-cache indices); logits [k, V] after each."""
+        return fit_vocab(self.lm.forward(tokens, parents=parents), self.vocab_size)
+
+    def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> Draft:
+        from .tree import TreeDrafter  # the chain is the one-child tree
+        self._chain = TreeDrafter(self, pld=False, width=1, depth=gamma, adaptive=False)
+        return self._chain.propose(ids, gamma, params, generator)
+
+    def commit(self, length: int, path: list[int], bonus: int) -> None:
+        self._chain.commit(length, path, bonus)
 
 
 class PromptLookup:
@@ -83,11 +97,11 @@ class PromptLookup:
                     return Draft(tokens, None)
         return Draft([], None)
 
-    def rollback(self, length: int) -> None:
+    def commit(self, length: int, path: list[int], bonus: int) -> None:
         pass
 
 
-def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Align draft logits with the target's vocabulary size (padded embedding rows may differ)."""
     V = logits.shape[-1]
     if V > vocab_size:

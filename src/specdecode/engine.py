@@ -17,9 +17,10 @@ from .drafters import Draft, DraftModel, PromptLookup
 from .errors import SpecDecodeError
 from .kv import CachedLM
 from .sampling import SamplingParams, probs_from_logits
-from .verify import verify
+from .tree import MAX_DEPTH, TreeDrafter, TreeState
+from .verify import verify, verify_tree
 
-METHODS = ("autoregressive", "draft", "pld")
+METHODS = ("autoregressive", "draft", "pld", "tree")
 
 
 @dataclass
@@ -33,8 +34,12 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0  # passes where a draft token was rejected (the rest were all accepted)
-    accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
-    drafted_per_position: list[int] = field(default_factory=list)  # drafted count at draft position i
+    accepted_per_position: list[int] = field(default_factory=list)  # passes that accepted a token at depth i+1
+    drafted_per_position: list[int] = field(default_factory=list)  # passes that drafted to depth i+1 or deeper
+    tree: dict | None = None  # the tree method's shape: caps, and which dimensions the cost model chose
+    tree_depth: int = 0  # summed over passes (a chain's depth is its length)
+    expected_tokens: float = 0.0  # the drafter's expected tokens per pass, summed over passes that had one
+    planned_passes: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -54,23 +59,38 @@ class Stats:
     def tokens_per_second(self) -> float | None:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else None
 
-    def record(self, drafted: int, accepted: int) -> None:
+    @property
+    def mean_tree_nodes(self) -> float | None:
+        """Draft tokens verified per target pass (for a chain: its length)."""
+        return self.drafted / self.target_forwards if self.target_forwards else None
+
+    @property
+    def expected_tokens_per_pass(self) -> float | None:
+        return self.expected_tokens / self.planned_passes if self.planned_passes else None
+
+    def record(self, draft: Draft, accepted: int) -> None:
         self.target_forwards += 1
-        self.drafted += drafted
+        self.drafted += len(draft.tokens)
         self.accepted += accepted
-        self.rejections += accepted < drafted
-        grow = drafted - len(self.drafted_per_position)
+        depth = draft.depth
+        self.tree_depth += depth
+        self.rejections += accepted < depth
+        if draft.expected is not None:
+            self.expected_tokens += draft.expected
+            self.planned_passes += 1
+        grow = depth - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
-        for i in range(drafted):
+        for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
-                 tokens_per_second=self.tokens_per_second)
+                 tokens_per_second=self.tokens_per_second, mean_tree_nodes=self.mean_tree_nodes,
+                 expected_tokens_per_pass=self.expected_tokens_per_pass)
         return d
 
 
@@ -112,19 +132,25 @@ def speculative_decode(target: CachedLM, drafter, prompt_ids: list[int], *, gamm
         t0 = time.perf_counter()
         draft = drafter.propose(ids, g, params, generator) if g > 0 else Draft([], None)
         t1 = time.perf_counter()
-        logits = target.forward([ids[-1]] + draft.tokens)  # [g'+1, V]: the ONE target pass
-        p = probs_from_logits(logits, params)
-        q = None if draft.q is None else draft.q[None]
-        accepted, bonus = verify(p[None], q, torch.tensor([draft.tokens], dtype=torch.long), generator)
-        n = int(accepted[0])
-        target.rollback(len(ids) + n)  # keep ids + draft[:n]; the new last token stays uncached
-        if drafter is not None:
-            drafter.rollback(len(ids) + n)
+        # the ONE target pass over the last committed token (the root) and every drafted token
+        root = len(target)
+        logits = target.forward([ids[-1]] + draft.tokens, parents=[root - 1] + [root + a + 1 for a in draft.tree_parents])
+        p = probs_from_logits(logits, params)  # [n+1, V]
+        if draft.parents is None:  # a chain: the batched rule
+            q = None if draft.q is None else draft.q[None]
+            accepted, bonus = verify(p[None], q, torch.tensor([draft.tokens], dtype=torch.long), generator)
+            path, bonus = list(range(int(accepted[0]))), int(bonus[0])
+        else:
+            path, bonus = verify_tree(p, draft.tokens, draft.parents, draft.q, generator)
+        # keep ids + the accepted branch; the new last token stays uncached
+        target.rollback(len(ids), [root + 1 + i for i in path])
+        if drafter is not None and g > 0:
+            drafter.commit(len(ids), path, bonus)
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
-        stats.record(len(draft.tokens), n)
+        stats.record(draft, len(path))
 
-        new = draft.tokens[:n] + [int(bonus[0])]
+        new = [draft.tokens[i] for i in path] + [bonus]
         for i, tok in enumerate(new):
             if tok in eos_ids:
                 new = new[:i + 1]
@@ -156,6 +182,9 @@ class Engine:
             check_compatible(tokenizer, draft_tokenizer if draft_tokenizer is not None else tokenizer)
             self.draft_model = DraftModel(draft_model, self.vocab_size)
         self.eos_ids = eos_token_ids(target_model, tokenizer)
+        self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
+        self.progress = True
+        self.tree_state = {True: TreeState(), False: TreeState()}  # what the tree drafter learned, greedy/sampled
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, *, dtype: str | None = None,
@@ -170,7 +199,9 @@ class Engine:
         d_model = d_tok = None
         if with_draft and draft:
             d_model, d_tok = load_model(draft, dtype=dtype, device=device, progress=progress)
-        return cls(t_model, t_tok, d_model, d_tok)
+        engine = cls(t_model, t_tok, d_model, d_tok)
+        engine.progress = progress
+        return engine
 
     # -- text in, text out -------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
@@ -209,11 +240,17 @@ class Engine:
 
     def stream(self, prompt: str | list[dict], *, method: str = "draft", gamma: int = 4,
                max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False) -> "TextStream":
+               seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
+               tree_width: int | None = None, tree_depth: int | None = None,
+               tree_nodes: int | None = None) -> "TextStream":
         """An iterator of text deltas (never splitting a character or leaking a stop string);
-        after it is exhausted, .result holds the Generation."""
+        after it is exhausted, .result holds the Generation.
+
+        method="tree": gamma is not used; tree_width (children per node and frontier nodes per
+        depth), tree_depth and tree_nodes (nodes per target pass) fix the tree's shape where given,
+        and the cost model picks the rest."""
         params = SamplingParams(temperature, top_k, top_p)
-        drafter = self._drafter(method, gamma)
+        drafter = self._drafter(method, gamma, params, tree_width, tree_depth, tree_nodes)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecDecodeError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -228,17 +265,34 @@ class Engine:
             generator.seed()  # nondeterministic, and leaves torch's global RNG alone
         else:
             generator.manual_seed(seed)
-        stats = Stats(method=method, gamma=gamma if drafter is not None else 0, prompt_tokens=len(prompt_ids))
+        stats = Stats(method=method, gamma=gamma if method in ("draft", "pld") else 0, prompt_tokens=len(prompt_ids))
+        if method == "tree":
+            gamma = drafter.max_depth
+            stats.tree = {"width": drafter.width, "depth": drafter.max_depth, "nodes": drafter.max_nodes,
+                          "chosen_by_cost_model": [k for k, v in (("width", tree_width), ("depth", tree_depth),
+                                                                   ("nodes", tree_nodes)) if v is None]}
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=gamma, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
                                    generator=generator, stats=stats)
         return TextStream(self, steps, stats, stops)
 
-    def _drafter(self, method: str, gamma: int):
+    def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None):
         if method not in METHODS:
             raise SpecDecodeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        for name, value in (("tree_width", width), ("tree_depth", depth), ("tree_nodes", nodes)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
+            if value is not None and method != "tree":
+                raise SpecDecodeError(f"{name} applies to method 'tree' only (method is {method!r})")
         if method == "autoregressive":
             return None
+        if method == "tree":
+            if self.costs is None:
+                from .costs import load_or_measure
+                self.costs = load_or_measure(self.target, self.draft_model.lm if self.draft_model else None,
+                                             progress=self.progress)
+            return TreeDrafter(self.draft_model, pld=True, width=width, depth=depth, nodes=nodes,
+                               costs=self.costs, state=self.tree_state[params.greedy])
         if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
             raise SpecDecodeError(f"gamma must be a positive integer, got {gamma!r}")
         if method == "pld":

@@ -1,66 +1,150 @@
 """A causal LM together with the KV cache of the tokens it has seen.
 
 The cache is Hugging Face's DynamicCache; this class adds the bookkeeping speculative decoding
-needs: which token ids are cached, and `rollback`, the one cheap operation that forgets rejected
-draft tokens (a slice of every layer's keys and values, no recomputation). `keep` is its general
-form for token trees, where the accepted path is not a prefix of what was verified.
+needs: which token ids are cached, where each sits in the text (its position) and what it may
+attend to. The cache is a *trunk* (a plain prefix of committed text, causal attention) followed
+by an optional *tree* of drafted tokens, each attending to the trunk and its own ancestors.
+
+`rollback(length, path)` is the one cheap operation that forgets rejected draft tokens: keep the
+first `length` entries, then the entries at `path` (the accepted branch of a tree; empty for a
+chain, where it is a plain crop). It slices keys and values; nothing is recomputed.
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 
+from .errors import SpecDecodeError
+
 
 class CachedLM:
     def __init__(self, model):
         self.model = model
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
         self.max_length = context_limit(model.config)
         self.reset()
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         if not getattr(self.cache, "is_croppable", True):
-            from .errors import SpecDecodeError
             raise SpecDecodeError(f"{type(self.model).__name__} keeps a cache that cannot be rolled back "
                                   "(linear/recurrent attention); speculative decoding needs one that can")
         # sliding-window layers drop old states once full; keep them until a crop, so rollback works
         if hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()
-        self.ids: list[int] = []  # token ids whose keys/values are in the cache, in order
+        self.ids: list[int] = []  # token ids whose keys/values are in the cache, in cache order
+        self.trunk = 0  # entries [0, trunk) are a plain prefix: entry i sits at position i
+        self.parent: list[int] = []  # for tree entries (index >= trunk): cache index of the parent
+        self.pos: list[int] = []  # for tree entries: position in the text (depth below the trunk)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     @torch.inference_mode()
-    def forward(self, new_ids: list[int], last_only: bool = False) -> torch.Tensor:
-        """Append new_ids to the cache; return float32 logits [len(new_ids), V] (or [1, V] if last_only)."""
+    def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
+        """Append new_ids to the cache; return float32 logits [len(new_ids), V] (or [1, V] if last_only).
+
+        parents=None: new_ids continue the text causally. Otherwise parents[j] is the cache index
+        (counted after the append) of the token new_ids[j] follows; it must come before j. That is a
+        token tree: each token attends to the trunk and its own ancestors only, at its own depth.
+        """
         if not new_ids:
             raise ValueError("forward needs at least one token")
+        start = len(self.ids)
         x = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        chain = list(range(start - 1, start - 1 + len(new_ids)))
+        parents = chain if parents is None else list(parents)
+        if len(parents) != len(new_ids):
+            raise ValueError(f"{len(new_ids)} tokens but {len(parents)} parents")
+        causal = self.trunk == start and parents == chain  # plain causal attention, no mask to build
+        kwargs = {} if causal else self._tree_inputs(start, parents)
+        out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0, **kwargs)
         self.ids.extend(new_ids)
+        if causal:
+            self.trunk = len(self.ids)
+        else:
+            self.parent.extend(parents)
+            self.pos.extend(kwargs["position_ids"][0].tolist())
+            # leading tokens that continue the trunk and that every later token descends from
+            # (a tree's root) join the trunk
+            j = 0
+            while (self.trunk == start + j < len(self.ids) and parents[j] == start + j - 1
+                   and all(par >= start + j for par in parents[j + 1:])):
+                j += 1
+                self.trunk += 1
+                self.parent.pop(0)
+                self.pos.pop(0)
         # sampling runs on the CPU with one seeded generator, whatever device the model is on
         return out.logits[0].float().cpu()
 
-    def rollback(self, length: int) -> None:
-        """Forget every cached token after the first `length`."""
-        drop = len(self.ids) - length
-        if drop < 0:
-            raise ValueError(f"cannot roll back to {length}: only {len(self.ids)} tokens cached")
+    def _position(self, i: int) -> int:
+        return i if i < self.trunk else self.pos[i - self.trunk]
+
+    def _tree_inputs(self, start: int, parents: list[int]) -> dict:
+        if _has_sliding_layers(self.model.config):
+            raise SpecDecodeError(f"{type(self.model).__name__} has sliding-window attention layers; token trees "
+                                  "need full attention (use a chain method: draft or pld)")
+        n = len(parents)
+        total = start + n
+        allowed = torch.zeros(n, total, dtype=torch.bool)
+        allowed[:, :self.trunk] = True
+        positions = []
+        for j, par in enumerate(parents):
+            i = start + j
+            if not -1 <= par < i:
+                raise ValueError(f"token {j} of a tree pass has parent {par}; a parent must come before it")
+            positions.append(0 if par < 0 else (positions[par - start] if par >= start else self._position(par)) + 1)
+            allowed[j, i] = True
+            a = par
+            while a >= self.trunk:
+                allowed[j, a] = True
+                a = parents[a - start] if a >= start else self.parent[a - self.trunk]
+        mask = torch.zeros(n, total, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return {"attention_mask": mask[None, None].to(self.device),  # [1, 1, n, total]: additive
+                "position_ids": torch.tensor([positions], dtype=torch.long, device=self.device)}
+
+    @torch.inference_mode()
+    def rollback(self, length: int, path: list[int] = ()) -> None:
+        """Keep the first `length` cached entries, then the entries at `path` (ascending cache
+        indices, each the child of the one before: an accepted tree branch). All else is forgotten."""
+        path = list(path)
+        if not 0 <= length <= len(self.ids):
+            raise ValueError(f"cannot roll back to {length}: {len(self.ids)} tokens cached")
+        if length > self.trunk and path:  # the kept prefix runs into the tree: it is part of the branch
+            path, length = list(range(self.trunk, length)) + path, self.trunk
+        prev = length - 1
+        for i in path:
+            if not (length <= i < len(self.ids)) or self._parent(i) != prev:
+                raise ValueError(f"cache entries {path} are not a branch hanging off entry {length - 1}")
+            prev = i
+        if path and path != list(range(length, length + len(path))):
+            index = torch.tensor(path, dtype=torch.long, device=self.device)
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    # move the branch right behind the prefix, then crop the rest below
+                    layer.keys[..., length:length + len(path), :] = layer.keys.index_select(-2, index)
+                    layer.values[..., length:length + len(path), :] = layer.values.index_select(-2, index)
+        keep = length + len(path)
         # transformers 5.x: a negative value removes that many tokens; crop(0) also trims the
         # states a sliding-window layer recorded for us
-        self.cache.crop(-drop)
-        del self.ids[length:]
+        self.cache.crop(-(len(self.ids) - keep))
+        self.ids = self.ids[:length] + [self.ids[i] for i in path]
+        self.trunk = min(self.trunk, length) if not path else keep
+        if self.trunk < length:  # rolled back inside a tree branch: keep its ancestry
+            self.parent, self.pos = self.parent[:length - self.trunk], self.pos[:length - self.trunk]
+        else:
+            self.trunk, self.parent, self.pos = keep, [], []
 
-    def keep(self, positions: list[int]) -> None:
-        """Keep only the cached entries at `positions` (ascending), e.g. one accepted tree path."""
-        index = torch.tensor(positions, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys = layer.keys.index_select(-2, index)
-                layer.values = layer.values.index_select(-2, index)
-        self.ids = [self.ids[i] for i in positions]
+    def _parent(self, i: int) -> int:
+        return i - 1 if i < self.trunk else self.parent[i - self.trunk]
+
+
+def _has_sliding_layers(config) -> bool:
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None) or []
+    return any("sliding" in t or "chunked" in t for t in types) or bool(getattr(cfg, "use_sliding_window", False)
+                                                                            and getattr(cfg, "sliding_window", None))
 
 
 def context_limit(config) -> int:

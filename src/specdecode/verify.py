@@ -5,8 +5,12 @@ from the residual norm(max(0, p_i - q_i)); when all gamma are accepted, sample a
 p_gamma. The emitted tokens then follow the target distribution exactly. A deterministic drafter
 (greedy draft model, prompt lookup) has a one-hot q, passed as q=None.
 
-Batched over a leading dimension so that sequences with different acceptance counts can share a
-target pass later; a token tree needs its own multi-branch rule (issue 5) on top of the same pieces.
+`verify` is the chain rule, batched over a leading dimension so that sequences with different
+acceptance counts can share a target pass. `verify_tree` is its multi-branch form for token trees
+(SpecInfer's multi-step speculative sampling, Miao et al. 2024; recursive rejection sampling, Jeon
+et al. 2024): at each node try the children in turn, accepting child x with probability
+min(1, p(x)/q(x)), and after each rejection replace p by the normalized residual max(0, p - q)
+before trying the next child; when every child is rejected, sample from what is left of p.
 """
 from __future__ import annotations
 
@@ -60,3 +64,59 @@ def verify(
     # p == q up to rounding can leave no residual mass; rejection then had probability ~0 anyway.
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
     return accepted, sample(residual, generator)
+
+
+def verify_tree(
+    p: torch.Tensor,
+    tokens: list[int],
+    parents: list[int],
+    q: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Walk a token tree from its root and decide which branch to keep and which token follows it.
+
+    p:       [n+1, V] target probabilities; p[0] is the distribution after the root (the last
+             committed token), p[i+1] the one after node i.
+    tokens:  [n] node token ids; parents: [n] parent node index (-1 = the root), parent before child.
+             Children are tried in node order.
+    q:       [n, V] the distribution each node was drawn from, or None when every node was chosen
+             deterministically (one-hot q: accept with probability p(x), on rejection drop x from p).
+    Returns (path, next_token): the accepted node indices from the root down, and the token after them.
+
+    Lossless when each node's token was drawn from its q row given only draft-side information and
+    its earlier siblings, and a drawn node's presence was decided before its token was drawn;
+    deterministic (one-hot) nodes may be chosen by any rule that does not look at the target.
+    A chain (parents = [-1, 0, 1, ...]) is exactly the rule of `verify`.
+    """
+    n = len(tokens)
+    if len(parents) != n or p.shape[0] != n + 1 or (q is not None and q.shape != (n, p.shape[-1])):
+        raise ValueError(f"shape mismatch: p {tuple(p.shape)}, {n} tokens, {len(parents)} parents, "
+                         f"q {None if q is None else tuple(q.shape)}")
+    children: list[list[int]] = [[] for _ in range(n + 1)]  # by p row: row 0 = root, row i+1 = node i
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}; a parent must come before its child")
+        children[parent + 1].append(i)
+    path: list[int] = []
+    row = 0
+    while True:
+        dist = p[row]
+        for child in children[row]:
+            x = tokens[child]
+            qx = 1.0 if q is None else float(q[child, x])
+            u = float(torch.rand((), generator=generator))
+            if u * qx < float(dist[x]):  # u < p/q without dividing (see verify)
+                path.append(child)
+                row = child + 1
+                break
+            if q is None:
+                residual = dist.clone()
+                residual[x] = 0.0
+            else:
+                residual = (dist - q[child]).clamp(min=0)
+            mass = residual.sum()
+            # p == q up to rounding leaves no residual mass; that rejection had probability ~0
+            if mass > 0:
+                dist = residual / mass
+        else:
+            return path, int(sample(dist, generator))

@@ -1,0 +1,141 @@
+"""What a forward pass costs, and how often a drafted token is accepted: the numbers a token tree
+is shaped by.
+
+CostModel: seconds for one target pass over n tokens and one draft pass over k tokens, measured
+once per machine, model, dtype, device and thread count, and cached as JSON under the cache dir.
+Calibration: the probability that a drafted node is accepted given its parent was, learned online
+from the draft's confidence (EAGLE-2 observes the two track each other; here the map is measured,
+starting from the prior "confidence = acceptance").
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DRAFT_SIZES = (1, 2, 4, 8)
+CONTEXT = 128  # tokens already cached when timing: a typical prompt
+
+
+@dataclass
+class CostModel:
+    target: dict[int, float]  # tokens in one target pass -> seconds
+    draft: dict[int, float] = field(default_factory=dict)  # tokens in one draft pass -> seconds
+
+    def t(self, n: int) -> float:
+        return _interpolate(self.target, n)
+
+    def d(self, k: int) -> float:
+        return _interpolate(self.draft, k) if self.draft else 0.0
+
+    def as_dict(self) -> dict:
+        """Costs relative to one plain decoding step (a 1-token target pass)."""
+        one = self.t(1)
+        return {"target_s_1": one, "target": {n: s / one for n, s in self.target.items()},
+                "draft": {k: s / one for k, s in self.draft.items()}}
+
+
+def _interpolate(table: dict[int, float], n: int) -> float:
+    xs = sorted(table)
+    if n <= xs[0]:
+        return table[xs[0]] * n / xs[0] if n < xs[0] else table[xs[0]]
+    i = min(bisect_left(xs, n), len(xs) - 1)
+    a, b = xs[i - 1], xs[i]
+    return table[a] + (table[b] - table[a]) * (n - a) / (b - a)  # beyond the last point: extrapolate
+
+
+def measure(lm, sizes, repeats: int = 3, progress=None) -> dict[int, float]:
+    """Median seconds of one pass over n new tokens after CONTEXT cached ones."""
+    context = [(7 * i + 11) % 1000 for i in range(CONTEXT)]
+    out = {}
+    lm.reset()
+    lm.forward(context, last_only=True)
+    lm.forward([1] * max(sizes))  # warm-up at the largest size
+    for n in sizes:
+        times = []
+        for _ in range(repeats):
+            lm.rollback(CONTEXT)
+            t = time.perf_counter()
+            lm.forward([1] * n)
+            if lm.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[n] = sorted(times)[len(times) // 2]
+        if progress is not None:
+            progress.update(1)
+    lm.reset()
+    return out
+
+
+def machine_key(*lms) -> str:
+    parts = [platform.machine(), platform.processor(), _cpu_name(), torch.__version__, str(torch.get_num_threads())]
+    for lm in lms:
+        m = lm.model
+        parts += [str(getattr(m.config, "_name_or_path", "")), type(m).__name__, str(m.num_parameters()),
+                  str(lm.dtype), str(lm.device), torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else ""]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostModel:
+    from .models import cache_dir
+    path = cache_dir() / "costs" / f"{machine_key(*(lm for lm in (target_lm, draft_lm) if lm))}.json"
+    if path.exists():
+        try:
+            raw = json.loads(path.read_text())
+            return CostModel({int(k): v for k, v in raw["target"].items()},
+                             {int(k): v for k, v in raw.get("draft", {}).items()})
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged file: measure again
+    from tqdm.auto import tqdm
+    sizes = [n for n in TARGET_SIZES if n + CONTEXT < target_lm.max_length]
+    dsizes = [k for k in DRAFT_SIZES if draft_lm is not None and k + CONTEXT < draft_lm.max_length]
+    with tqdm(total=len(sizes) + len(dsizes), desc="measuring pass costs (once per machine)",
+              disable=not progress, leave=False) as bar:
+        costs = CostModel(measure(target_lm, sizes, progress=bar),
+                          measure(draft_lm, dsizes, progress=bar) if dsizes else {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"target": costs.target, "draft": costs.draft}, indent=1))
+    tmp.replace(path)
+    return costs
+
+
+class Calibration:
+    """P(node accepted | parent accepted) as a function of a feature in [0, 1] (the draft's
+    confidence), in bins, each with a Beta prior centred on prior(feature)."""
+
+    def __init__(self, bins: int = 10, weight: float = 4.0, prior=lambda x: x):
+        self.bins, self.weight, self.prior = bins, weight, prior
+        self.hits = [0.0] * bins
+        self.tries = [0.0] * bins
+
+    def _bin(self, x: float) -> int:
+        return min(int(x * self.bins), self.bins - 1)
+
+    def __call__(self, x: float) -> float:
+        b = self._bin(x)
+        centre = self.prior((b + 0.5) / self.bins)
+        return (self.hits[b] + self.weight * centre) / (self.tries[b] + self.weight)
+
+    def update(self, x: float, accepted: bool) -> None:
+        b = self._bin(x)
+        self.hits[b] += accepted
+        self.tries[b] += 1

@@ -1,0 +1,264 @@
+"""Token trees: the drafter guesses many branches, the target verifies them all in ONE pass.
+
+Growth follows EAGLE-2: from the root, each depth expands the frontier nodes with the highest value
+(the estimated probability that the target accepts the whole path to them) by one batched draft
+pass over the frontier, under a tree attention mask. Prompt-lookup matches join as extra branches.
+Greedy trees are then re-ranked: the N most valuable nodes are kept (a node is never worth more
+than its parent, so they form a tree).
+
+Shape: with a CostModel (measured pass costs) each choice (expand one more depth, how many
+frontier nodes, how many nodes to verify) maximises expected tokens per second,
+(1 + sum of kept values) / (draft time + target time for N+1 tokens); a width/depth/nodes given
+by hand fixes that dimension. When speculation does not pay (modelled rate below plain decoding)
+the drafter backs off to plain steps for a while and tries again.
+
+Lossless sampling (verify_tree's contract): a greedy tree is all one-hot nodes, which may be chosen
+and pruned by any draft-side rule. With temperature > 0 the children of an expanded node are
+drawn from the draft's q without replacement (child i's q row is q without its earlier siblings,
+renormalized); how many children a node gets is fixed before they are drawn, and drawn nodes are
+never pruned, so the target's distribution is kept exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .costs import Calibration, CostModel
+from .drafters import Draft, PromptLookup
+from .sampling import SamplingParams, probs_from_logits, sample
+
+MAX_WIDTH, MAX_DEPTH, MAX_NODES = 4, 8, 32  # caps of an adaptive tree
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # node index, -1 = root
+    depth: int
+    value: float  # estimated P(target accepts the path to this node)
+    conf: float | None  # draft probability of token given its parent (None: a prompt-lookup node)
+    q: torch.Tensor | None = None  # [V] the distribution it was drawn from; None = one-hot
+    cache: int | None = None  # index in the draft model's cache once it went through a draft pass
+
+
+class TreeState:
+    """What one engine learns online about its drafter, per sampling mode."""
+
+    def __init__(self):
+        self.draft = Calibration()  # draft confidence -> P(accept | parent accepted)
+        self.lookup = Calibration(bins=MAX_DEPTH, prior=lambda x: 0.5)  # by depth for prompt-lookup nodes
+        self.rho = 0.6  # P(some child accepted | an expanded node accepted): the gain of expanding
+        self.rate = None  # moving average of modelled tokens per second while speculating
+        self.steps = 0
+        self.plain_left = 0  # plain steps to take before trying speculation again
+        self.backoff = 8
+
+
+class TreeDrafter:
+    def __init__(self, draft_model=None, *, pld: bool = True, width: int | None = None, depth: int | None = None,
+                 nodes: int | None = None, adaptive: bool = True, costs: CostModel | None = None,
+                 state: TreeState | None = None):
+        self.model, self.lookup = draft_model, PromptLookup() if pld else None
+        self.adaptive = adaptive and costs is not None
+        self.fixed_width, self.fixed_depth, self.fixed_nodes = width, depth, nodes
+        self.width = width or MAX_WIDTH
+        self.max_depth = depth or MAX_DEPTH
+        self.max_nodes = nodes or (MAX_NODES if width is None or depth is None else 10 ** 6)
+        self.costs, self.state = costs, state or TreeState()
+        self.nodes: list[_Node] = []  # everything grown this step
+        self.kept: list[_Node] = []  # the nodes sent to the target, in Draft order
+        self.kept_parents: list[int] = []
+        self.spent = 0.0  # modelled draft seconds of the current step
+
+    def reset(self) -> None:
+        if self.model is not None:
+            self.model.reset()
+
+    def prefill(self, ids: list[int]) -> None:
+        if self.model is not None:
+            self.model.prefill(ids)
+
+    # -- one step -------------------------------------------------------------------------------
+    def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> Draft:
+        """gamma caps the depth (the engine never drafts what it cannot emit)."""
+        st, max_depth = self.state, min(gamma, self.max_depth)
+        self.nodes, self.spent = [], 0.0
+        if self.adaptive and st.plain_left > 0:
+            st.plain_left -= 1
+            self.kept, self.kept_parents = [], []
+            return Draft([], None, expected=1.0)
+        if self.model is not None:
+            logits, fed = self.model.root(ids)
+            self.spent += self._d(fed)
+            self._root_index = len(self.model.lm) - 1
+            frontier = [(-1, logits)]  # (node, draft logits after it)
+            for depth in range(1, max_depth + 1):
+                new = [i for parent, lg in frontier for i in self._children(parent, lg, depth, params, generator)]
+                expand = self._next_frontier(new, params) if depth < max_depth else []
+                if not expand:
+                    break
+                n0 = len(self.model.lm)
+                logits = self.model.expand([self.nodes[i].token for i in expand],
+                                           [self._cache_index(self.nodes[i].parent) for i in expand])
+                for j, i in enumerate(expand):
+                    self.nodes[i].cache = n0 + j
+                self.spent += self._d(len(expand))
+                frontier = list(zip(expand, logits))
+        if self.lookup is not None:
+            self._add_lookup(ids, max_depth)
+        return self._draft(self._select(params))
+
+    def _children(self, parent: int, logits: torch.Tensor, depth: int, params: SamplingParams, generator) -> list[int]:
+        v_parent = 1.0 if parent < 0 else self.nodes[parent].value
+        made = []
+        if params.greedy:  # deterministic children: the draft's top-k, confidence from its softmax
+            conf = torch.softmax(logits.float(), -1)
+            top = conf.topk(self.width)
+            for c, x in zip(top.values.tolist(), top.indices.tolist()):
+                made.append(self._add(_Node(x, parent, depth, v_parent * self.state.draft(c), c)))
+        else:  # drawn children: how many is fixed from q alone, before drawing
+            q = probs_from_logits(logits, params)
+            k = self.width
+            if self.fixed_width is None:  # enough children to cover most of q's mass
+                mass = q.topk(self.width).values.cumsum(0)
+                k = min(self.width, int((mass < 0.8).sum()) + 1)
+            k = min(k, int((q > 0).sum()))
+            rest = q
+            for _ in range(k):
+                x = int(sample(rest, generator))
+                c = float(q[x])
+                made.append(self._add(_Node(x, parent, depth, v_parent * self.state.draft(c), c, rest)))
+                rest = rest.clone()
+                rest[x] = 0.0
+                rest = rest / rest.sum()
+        return made
+
+    def _cache_index(self, parent: int) -> int:
+        return self._root_index if parent < 0 else self.nodes[parent].cache
+
+    def _add(self, node: _Node) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def _next_frontier(self, new: list[int], params: SamplingParams) -> list[int]:
+        ranked = sorted(new, key=lambda i: -self.nodes[i].value)[:self.width]
+        if not params.greedy and len(self.nodes) + self.width > self.max_nodes:
+            return []  # drawn nodes are never pruned: stop growing at the budget
+        if not self.adaptive or self.fixed_depth is not None and self.fixed_width is not None:
+            return ranked
+        best_rate, n_best, e_best = self._best(params)
+        choice, choice_rate = [], best_rate
+        for w in range(1, len(ranked) + 1):
+            if self.fixed_width is not None and w != len(ranked):
+                continue
+            gain = self.state.rho * sum(self.nodes[i].value for i in ranked[:w])
+            rate = (e_best + gain) / (self.spent + self._d(w) + self.costs.t(n_best + w + 1))
+            if rate > choice_rate or self.fixed_depth is not None and not choice:
+                choice, choice_rate = ranked[:w], rate
+        return choice
+
+    def _ranked(self) -> list[int]:
+        return sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].value, self.nodes[i].depth, i))
+
+    def _best(self, params: SamplingParams) -> tuple[float, int, float]:
+        """(rate, N, expected tokens) of the best tree that can be cut from the nodes so far."""
+        values = [self.nodes[i].value for i in self._ranked()]
+        if not params.greedy:  # nothing drawn may be pruned
+            e = 1.0 + sum(values)
+            return e / (self.spent + self.costs.t(len(values) + 1)), len(values), e
+        best = (1.0 / (self.spent + self.costs.t(1)), 0, 1.0)
+        e = 1.0
+        for n, v in enumerate(values[:self.max_nodes], 1):
+            e += v
+            rate = e / (self.spent + self.costs.t(n + 1))
+            if rate > best[0]:
+                best = (rate, n, e)
+        return best
+
+    def _add_lookup(self, ids: list[int], max_depth: int) -> None:
+        tokens = self.lookup.propose(ids, max_depth).tokens
+        parent = -1
+        for depth, x in enumerate(tokens, 1):
+            same = [i for i, nd in enumerate(self.nodes) if nd.parent == parent and nd.token == x]
+            if same:
+                parent = same[0]
+                continue
+            v_parent = 1.0 if parent < 0 else self.nodes[parent].value
+            value = v_parent * self.state.lookup((depth - 1) / MAX_DEPTH)
+            parent = self._add(_Node(x, parent, depth, value, None))
+
+    def _select(self, params: SamplingParams) -> list[int]:
+        if not params.greedy:
+            return list(range(len(self.nodes)))
+        ranked = self._ranked()
+        if self.adaptive and self.fixed_nodes is None:
+            n = self._best(params)[1]
+        else:
+            n = min(self.max_nodes, len(ranked))
+        return sorted(ranked[:n], key=lambda i: (self.nodes[i].depth, i))  # parents first, siblings in order
+
+    def _draft(self, keep: list[int]) -> Draft:
+        index = {old: new for new, old in enumerate(keep)}
+        self.kept = [self.nodes[i] for i in keep]
+        tokens = [nd.token for nd in self.kept]
+        parents = self.kept_parents = [-1 if nd.parent < 0 else index[nd.parent] for nd in self.kept]
+        q = None
+        if any(nd.q is not None for nd in self.kept):
+            V = next(nd.q for nd in self.kept if nd.q is not None).shape[-1]
+            q = torch.stack([nd.q if nd.q is not None else torch.zeros(V).index_fill_(0, torch.tensor(nd.token), 1.0)
+                             for nd in self.kept])
+        chain = all(p == i - 1 for i, p in enumerate(parents))
+        expected = 1.0 + sum(nd.value for nd in self.kept)
+        return Draft(tokens, q, None if chain else parents, expected)
+
+    def _d(self, k: int) -> float:
+        return self.costs.d(k) if self.costs is not None else 0.0
+
+    # -- after the target's verdict ---------------------------------------------------------------
+    def commit(self, length: int, path: list[int], bonus: int) -> None:
+        """ids[:length], the kept nodes `path` and then `bonus` now stand: learn from the verdict and
+        compact the draft cache."""
+        self._learn_acceptance([self.kept[i].token for i in path] + [bonus])
+        kept = self.kept
+        if self.model is not None:
+            lm = self.model.lm
+            branch = []
+            for i in path:  # the accepted nodes that went through a draft pass: a prefix of the path
+                if kept[i].cache is None:
+                    break
+                branch.append(kept[i].cache)
+            lm.rollback(min(length, len(lm)), branch if len(lm) >= length else [])
+        if self.adaptive and (kept or self.spent):  # not the plain back-off steps
+            self._learn_rate(len(path) + 1, len(kept))
+        self.kept, self.kept_parents, self.nodes = [], [], []
+
+    def _learn_acceptance(self, emitted: list[int]) -> None:
+        """Every grown node whose parent's path was emitted was (or, pruned, would have been) tried:
+        it counts as accepted when its token is the one emitted at its depth. Pruned nodes so teach
+        the calibration for free, and the value of a rarely kept kind of node still gets learned."""
+        st, nodes = self.state, self.nodes
+        hit = [False] * len(nodes)
+        for i, nd in enumerate(nodes):  # parents come before children
+            if nd.depth > len(emitted) or (nd.parent >= 0 and not hit[nd.parent]):
+                continue
+            hit[i] = nd.token == emitted[nd.depth - 1]
+            if nd.conf is None:
+                st.lookup.update((nd.depth - 1) / MAX_DEPTH, hit[i])
+            else:
+                st.draft.update(nd.conf, hit[i])
+        for i, nd in enumerate(nodes):  # did expanding an accepted node pay?
+            if nd.cache is not None and hit[i]:
+                st.rho = 0.95 * st.rho + 0.05 * any(hit[j] for j, c in enumerate(nodes) if c.parent == i)
+
+    def _learn_rate(self, emitted: int, n_nodes: int) -> None:
+        """Back off to plain decoding while speculation's modelled rate stays below plain decoding's."""
+        st = self.state
+        rate = emitted / (self.spent + self.costs.t(n_nodes + 1))
+        st.rate = rate if st.rate is None else 0.9 * st.rate + 0.1 * rate
+        st.steps += 1
+        if st.steps >= 8 and st.rate < 1.0 / self.costs.t(1):
+            st.plain_left, st.backoff = st.backoff, min(2 * st.backoff, 256)
+            st.rate, st.steps = None, 0
+        elif st.steps >= 32:
+            st.backoff = 8
