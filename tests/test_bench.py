@@ -97,6 +97,24 @@ def test_bench_end_to_end_on_tiny_models(tiny_dirs, prompt_file, tmp_path, capsy
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_bench_tree_method(tiny_dirs, prompt_file, tmp_path, capsys):
+    target, draft = tiny_dirs
+    out = tmp_path / "out"
+    code = main(["bench", "--prompts", str(prompt_file), "--methods", "draft,tree", "--gamma", "3",
+                 "--tree-width", "2", "--max-new-tokens", "12", "--target", str(target), "--draft", str(draft),
+                 "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    tree = results["methods"]["tree"]
+    assert tree["greedy_agreement"] == 1.0 and tree["nodes_per_pass"] > 0
+    assert tree["expected_tokens_per_pass"] >= 1 and tree["depth_per_pass"] > 0
+    assert tree["analytic_bound"] is None  # the chain bound does not apply to trees
+    assert results["config"]["tree"] == {"tree_width": 2} and results["config"]["pass_costs"]["target"]
+    assert "## Token tree" in (out / "report.md").read_text()
+    assert main(["bench", "--prompts", str(prompt_file), "--methods", "draft", "--tree-depth", "2",
+                 "--target", str(target), "--draft", str(draft)]) == 2
+
+
 def test_prompt_file_errors(tmp_path):
     with pytest.raises(SpecDecodeError, match="not found"):
         load_prompts(tmp_path / "nope.jsonl")

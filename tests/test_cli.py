@@ -31,6 +31,24 @@ def test_json_output_matches_python_api(tiny_dirs, capsys):
     assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
 
 
+def test_tree_method_json_and_stats_line(tiny_dirs, capsys):
+    target, draft = tiny_dirs
+    code = main(["generate", "hello", "--target", str(target), "--draft", str(draft), "--method", "tree",
+                 "--tree-width", "2", "--tree-depth", "3", "--tree-nodes", "5", "--max-new-tokens", "24", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    s = out["stats"]
+    assert s["method"] == "tree" and s["tree"]["chosen_by_cost_model"] == []
+    assert s["drafted"] <= 5 * s["target_forwards"] and s["expected_tokens_per_pass"] >= 1
+    from specdecode import Engine
+    ref = Engine.load(str(target), progress=False).generate("hello", method="autoregressive", max_new_tokens=24)
+    assert out["token_ids"] == ref.token_ids  # greedy tree output is plain decoding's
+    r = cli("generate", "abc", "--target", str(target), "--draft", str(draft), "--method", "tree",
+            "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "[tree nodes/pass" in r.stderr and "expected tokens/pass" in r.stderr
+
+
 def test_streamed_text_then_stats_line(tiny_dirs):
     target, _ = tiny_dirs
     r = cli("generate", "abc", "--target", str(target), "--method", "pld", "--max-new-tokens", "16",
@@ -57,6 +75,8 @@ def test_stdin_prompt_and_chat(tiny_dirs):
     (["generate", "x", "--method", "nope"], "invalid choice"),
     (["generate", "x", "--gamma", "two"], "invalid int"),
     (["generate", "x", "--method", "draft"], "draft model"),
+    (["generate", "x", "--method", "tree", "--tree-width", "0"], "tree-width"),
+    (["generate", "x", "--method", "pld", "--tree-depth", "2"], "method tree only"),
 ])
 def test_bad_input_exit_2_one_line(tiny_dirs, args, match):
     target, _ = tiny_dirs

@@ -103,42 +103,47 @@ def hf_assisted(engine: Engine, prompt_ids: list[int], gamma: int, max_new_token
 
 
 def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = 4, max_new_tokens: int = 128,
-              temperature: float = 0.0, seed: int | None = 0, progress: bool = True) -> dict:
+              temperature: float = 0.0, seed: int | None = 0, progress: bool = True, tree: dict | None = None) -> dict:
+    """tree: tree_width/tree_depth/tree_nodes for method tree (unset: chosen by its cost model)."""
     greedy = temperature == 0
+    tree = tree or {}
     # warm-up (excluded): first calls pay for allocations and kernel selection
     for m in methods:
-        _run_one(engine, prompts[0], m, gamma, 8, temperature, seed)
+        _run_one(engine, prompts[0], m, gamma, 8, temperature, seed, tree)
     rows = []
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress)
     for p in prompts:
         for m in methods:  # interleaved, prompt by prompt
             bar.set_postfix_str(f"{p['id']} {m}")
             rows.append({"prompt_id": p["id"], "category": p["category"], "method": m,
-                         **_run_one(engine, p, m, gamma, max_new_tokens, temperature, seed)})
+                         **_run_one(engine, p, m, gamma, max_new_tokens, temperature, seed, tree)})
             bar.update(1)
     bar.close()
     return summarize(rows, methods, gamma=gamma, greedy=greedy,
                      config=dict(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                  prompts=len(prompts), methods=methods, device=str(engine.target.device),
                                  dtype=str(next(engine.target.model.parameters()).dtype).replace("torch.", ""),
-                                 torch_threads=torch.get_num_threads()))
+                                 torch_threads=torch.get_num_threads(), tree=tree,
+                                 pass_costs=engine.costs.as_dict() if engine.costs else None))
 
 
-def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed) -> dict:
+def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=None) -> dict:
     if method == "hf-assisted":
         r = hf_assisted(engine, engine.encode(p["prompt"], p["chat"]), gamma, max_new_tokens, temperature, seed)
         return {**r, "tokens_per_second": r["new_tokens"] / r["wall_s"], "target_forwards": None, "drafted": None,
                 "accepted": None, "rejections": None, "mean_accepted_tokens": None, "acceptance_rate": None,
-                "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None}
+                "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None,
+                "tree_depth": None, "expected_tokens": None, "planned_passes": None}
     g = engine.generate(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed)
+                        temperature=temperature, seed=seed, **(tree or {} if method == "tree" else {}))
     s = g.stats
     return {"token_ids": g.token_ids, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
             "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,
             "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
             "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,
             "drafted_per_position": s.drafted_per_position, "draft_s": s.draft_s, "verify_s": s.verify_s,
-            "prefill_s": s.prefill_s}
+            "prefill_s": s.prefill_s, "tree_depth": s.tree_depth, "expected_tokens": s.expected_tokens,
+            "planned_passes": s.planned_passes}
 
 
 def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool, config: dict) -> dict:
@@ -168,11 +173,20 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
             fwd = total(m, "target_forwards")
             res["mean_accepted_tokens"] = total(m, "new_tokens") / fwd
             res["verify_cost_ratio"] = total(m, "verify_s") / fwd / ar_step if ar_step else None
-        if m in ("draft", "pld") and total(m, "drafted"):
+        if m == "tree" and total(m, "target_forwards"):
+            fwd = total(m, "target_forwards")
+            res["nodes_per_pass"] = total(m, "drafted") / fwd
+            res["depth_per_pass"] = total(m, "tree_depth") / fwd
+            planned = total(m, "planned_passes")
+            res["expected_tokens_per_pass"] = total(m, "expected_tokens") / planned if planned else None
+        if m in ("draft", "pld", "tree") and total(m, "drafted"):
             acc, drafted = total(m, "accepted"), total(m, "drafted")
             res["acceptance_rate"] = acc / drafted
-            res["alpha"] = alpha = alpha_from_counts(acc, total(m, "rejections"))
-            res["draft_cost_ratio"] = c = (total(m, "draft_s") / drafted / ar_step) if ar_step else None
+            # a tree's α and bound would need its branching: the chain formulas apply to chains only
+            res["alpha"] = alpha = alpha_from_counts(acc, total(m, "rejections")) if m != "tree" else None
+            res["draft_cost_ratio"] = c = (total(m, "draft_s") / drafted / ar_step) if ar_step and m != "tree" else None
+            if m == "tree" and ar_step:  # a tree's draft time is per pass, not per token
+                res["draft_cost_per_pass"] = total(m, "draft_s") / total(m, "target_forwards") / ar_step
             # the tokens actually drafted per pass: prompt lookup often finds fewer than gamma, or none
             g = drafted / total(m, "target_forwards")
             if alpha is not None and c is not None:
@@ -231,6 +245,20 @@ def report(results: dict) -> str:
         for m, r in results["methods"].items():
             bc = r.get("by_category", {})
             lines.append(f"| {m} | " + " | ".join(_f(bc.get(c, {}).get("speedup"), "{:.2f}x") for c in cats) + " |")
+    tree = results["methods"].get("tree")
+    if tree and tree.get("nodes_per_pass") is not None:
+        costs = cfg.get("pass_costs") or {}
+        lines += ["\n## Token tree\n", f"shape fixed by hand: {cfg.get('tree') or 'none (cost model)'}\n",
+                  "| nodes per pass | depth per pass | expected tokens per pass | realised (τ) | "
+                  "draft time per pass / plain step | verify cost v |", "|---|---|---|---|---|---|",
+                  f"| {_f(tree['nodes_per_pass'])} | {_f(tree['depth_per_pass'])} | "
+                  f"{_f(tree['expected_tokens_per_pass'])} | {_f(tree['mean_accepted_tokens'])} | "
+                  f"{_f(tree.get('draft_cost_per_pass'))} | {_f(tree['verify_cost_ratio'])} |"]
+        if costs.get("target"):
+            lines.append("\nMeasured pass costs (cost model, relative to a 1-token target pass of "
+                         f"{costs['target_s_1'] * 1000:.0f} ms): target " +
+                         ", ".join(f"{n} tok {r:.2f}" for n, r in costs["target"].items()) + "; draft " +
+                         ", ".join(f"{n} tok {r:.2f}" for n, r in costs["draft"].items()))
     lines += ["\n## Per prompt\n", "| prompt | method | tok/s | new tokens | τ | acceptance |", "|---|---|---|---|---|---|"]
     for r in results["prompts"]:
         lines.append(f"| {r['prompt_id']} | {r['method']} | {_f(r['tokens_per_second'])} | {r['new_tokens']} | "

@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--method", choices=METHODS, default="draft")
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
+    _tree_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
     g.add_argument("--top-k", type=int, default=0)
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     b.add_argument("--methods", default="autoregressive,draft,pld,hf-assisted",
                    help="comma-separated: autoregressive,draft,pld,hf-assisted")
-    b.add_argument("--gamma", type=int, default=4)
+    b.add_argument("--gamma", type=int, default=4, help="draft tokens per pass of the chain methods")
+    _tree_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
@@ -73,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tree_args(parser) -> None:
+    t = parser.add_argument_group("method tree (each unset dimension is chosen by the cost model)")
+    t.add_argument("--tree-width", type=int, default=None, help="children per node and nodes expanded per depth")
+    t.add_argument("--tree-depth", type=int, default=None, help="depth of the tree (draft passes)")
+    t.add_argument("--tree-nodes", type=int, default=None, help="draft tokens verified per target pass")
+
+
+def _tree_kwargs(args) -> dict:
+    kw = {f"tree_{k}": getattr(args, f"tree_{k}") for k in ("width", "depth", "nodes")}
+    for name, value in kw.items():
+        if value is not None and value <= 0:
+            raise SpecDecodeError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def bench(args) -> None:
     from .bench import load_prompts, parse_methods, report, run_bench, write_outputs
     from .engine import Engine
@@ -82,12 +99,15 @@ def bench(args) -> None:
     SamplingParams(args.temperature)  # validate before loading models
     if args.gamma <= 0 or args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
         raise SpecDecodeError("--gamma, --max-new-tokens and --limit must be positive")
+    tree = _tree_kwargs(args)
+    if tree and "tree" not in methods:
+        raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to method tree, which is not benchmarked")
     engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
-                         with_draft=bool({"draft", "hf-assisted"} & set(methods)))
+                         with_draft=bool({"draft", "hf-assisted", "tree"} & set(methods)))
     if engine.draft_model is None and {"draft", "hf-assisted"} & set(methods):
         raise SpecDecodeError("methods draft and hf-assisted need a draft model (--draft)")
     results = run_bench(engine, prompts, methods, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, seed=args.seed)
+                        temperature=args.temperature, seed=args.seed, tree=tree)
     out = write_outputs(results, args.out)
     sys.stdout.write(report(results).split("\n## Per prompt")[0] + f"\nwritten to {out}/\n")
 
@@ -101,6 +121,8 @@ def check_args(args) -> None:
             raise SpecDecodeError(f"{name} must be a positive integer, got {getattr(args, name)}")
     if args.method == "draft" and args.target is not None and args.draft is None:
         raise SpecDecodeError("method 'draft' needs a draft model: pass --draft (or use --method pld)")
+    if _tree_kwargs(args) and args.method != "tree":
+        raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to --method tree only")
 
 
 def generate(args) -> None:
@@ -110,10 +132,10 @@ def generate(args) -> None:
         raise SpecDecodeError("the prompt is empty")
     check_args(args)
     engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
-                         with_draft=args.method == "draft", progress=not args.json)
+                         with_draft=args.method in ("draft", "tree"), progress=not args.json)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           stop=args.stop, chat=args.chat)
+                           stop=args.stop, chat=args.chat, **_tree_kwargs(args))
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)
@@ -126,7 +148,10 @@ def generate(args) -> None:
     s = result.stats
     rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.1%}"
     sys.stdout.write("\n")
-    sys.stderr.write(f"[{s.method} gamma={s.gamma}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+    shape = f"gamma={s.gamma}" if s.tree is None else (
+        f"nodes/pass {s.mean_tree_nodes or 0:.1f}, depth/pass {s.tree_depth / max(1, s.target_forwards):.1f}, "
+        f"expected tokens/pass {s.expected_tokens_per_pass or 0:.2f}")
+    sys.stderr.write(f"[{s.method} {shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
                      f"({s.tokens_per_second or 0:.2f} tok/s) | target forwards {s.target_forwards} | "
                      f"accepted {s.accepted}/{s.drafted} ({rate}) | "
                      f"tokens per target forward {s.mean_accepted_tokens or 0:.2f} | "

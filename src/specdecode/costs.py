@@ -52,26 +52,38 @@ def _interpolate(table: dict[int, float], n: int) -> float:
     return table[a] + (table[b] - table[a]) * (n - a) / (b - a)  # beyond the last point: extrapolate
 
 
-def measure(lm, sizes, repeats: int = 3, progress=None) -> dict[int, float]:
-    """Median seconds of one pass over n new tokens after CONTEXT cached ones."""
+def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0) -> dict[int, float]:
+    """Seconds of one pass over n new tokens after CONTEXT cached ones: the fastest of `repeats`
+    rounds (round-robin over the sizes, so a burst of noise does not hit one size only), made
+    non-decreasing in n. Sizes past stop_at x the 1-token cost are not measured (extrapolated)."""
     context = [(7 * i + 11) % 1000 for i in range(CONTEXT)]
-    out = {}
+    best: dict[int, float] = {}
     lm.reset()
     lm.forward(context, last_only=True)
-    lm.forward([1] * max(sizes))  # warm-up at the largest size
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
+    for n in sizes[:2]:  # warm-up
+        lm.forward([1] * n)
+        lm.rollback(CONTEXT)
+    for r in range(repeats):
+        for n in sizes:
+            if r and n not in best:
+                continue
+            if best and best[sizes[0]] * stop_at < best.get(n, 0.0):
+                continue
             lm.rollback(CONTEXT)
             t = time.perf_counter()
             lm.forward([1] * n)
             if lm.device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        out[n] = sorted(times)[len(times) // 2]
-        if progress is not None:
-            progress.update(1)
+            best[n] = min(best.get(n, float("inf")), time.perf_counter() - t)
+            if progress is not None:
+                progress.update(1)
+            if r == 0 and best[n] > best[sizes[0]] * stop_at:
+                break
     lm.reset()
+    out, running = {}, 0.0
+    for n in sorted(best):
+        running = max(running, best[n])
+        out[n] = running
     return out
 
 
@@ -107,7 +119,7 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
     from tqdm.auto import tqdm
     sizes = [n for n in TARGET_SIZES if n + CONTEXT < target_lm.max_length]
     dsizes = [k for k in DRAFT_SIZES if draft_lm is not None and k + CONTEXT < draft_lm.max_length]
-    with tqdm(total=len(sizes) + len(dsizes), desc="measuring pass costs (once per machine)",
+    with tqdm(total=3 * (len(sizes) + len(dsizes)), desc="measuring pass costs (once per machine)",
               disable=not progress, leave=False) as bar:
         costs = CostModel(measure(target_lm, sizes, progress=bar),
                           measure(draft_lm, dsizes, progress=bar) if dsizes else {})

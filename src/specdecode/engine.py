@@ -17,7 +17,7 @@ from .drafters import Draft, DraftModel, PromptLookup
 from .errors import SpecDecodeError
 from .kv import CachedLM
 from .sampling import SamplingParams, probs_from_logits
-from .tree import MAX_DEPTH, TreeDrafter, TreeState
+from .tree import TreeDrafter, TreeState
 from .verify import verify, verify_tree
 
 METHODS = ("autoregressive", "draft", "pld", "tree")
@@ -184,7 +184,9 @@ class Engine:
         self.eos_ids = eos_token_ids(target_model, tokenizer)
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
         self.progress = True
-        self.tree_state = {True: TreeState(), False: TreeState()}  # what the tree drafter learned, greedy/sampled
+        # what the greedy tree drafter learned about acceptance, kept across generations (greedy output
+        # does not depend on the tree's shape; a sampled tree starts afresh so that a seed reproduces)
+        self.tree_state = TreeState()
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, *, dtype: str | None = None,
@@ -202,6 +204,14 @@ class Engine:
         engine = cls(t_model, t_tok, d_model, d_tok)
         engine.progress = progress
         return engine
+
+    def tree_costs(self):
+        """The tree method's CostModel: pass costs measured once per machine and models (cached on disk)."""
+        if self.costs is None:
+            from .costs import load_or_measure
+            self.costs = load_or_measure(self.target, self.draft_model.lm if self.draft_model else None,
+                                         progress=self.progress)
+        return self.costs
 
     # -- text in, text out -------------------------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
@@ -287,12 +297,8 @@ class Engine:
         if method == "autoregressive":
             return None
         if method == "tree":
-            if self.costs is None:
-                from .costs import load_or_measure
-                self.costs = load_or_measure(self.target, self.draft_model.lm if self.draft_model else None,
-                                             progress=self.progress)
             return TreeDrafter(self.draft_model, pld=True, width=width, depth=depth, nodes=nodes,
-                               costs=self.costs, state=self.tree_state[params.greedy])
+                               costs=self.tree_costs(), state=self.tree_state if params.greedy else TreeState())
         if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
             raise SpecDecodeError(f"gamma must be a positive integer, got {gamma!r}")
         if method == "pld":

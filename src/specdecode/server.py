@@ -48,6 +48,7 @@ from .errors import SpecDecodeError
 log = logging.getLogger("specdecode.server")
 
 MAX_GAMMA = 32  # draft tokens per target pass a request may ask for
+MAX_TREE = 256  # tree width / nodes per pass a request may ask for
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 STOP_MAX = 4  # stop strings per request, as in OpenAI's API
 TINY = 1e-30  # the smallest temperature / top_p handed to the engine (see prepare)
@@ -74,9 +75,13 @@ NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 class Speculation(BaseModel):
     """specdecode extension: how to speculate for this request (defaults: the server's)."""
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal["autoregressive", "draft", "pld"] | None = Field(
-        None, description="autoregressive (no speculation), draft (draft model) or pld (prompt lookup)")
-    gamma: int | None = Field(None, ge=1, le=MAX_GAMMA, description="draft tokens per target forward pass")
+    method: Literal["autoregressive", "draft", "pld", "tree"] | None = Field(
+        None, description="autoregressive (no speculation), draft (draft model), pld (prompt lookup) or "
+                          "tree (a token tree from the draft model and prompt lookup, shaped by a cost model)")
+    gamma: int | None = Field(None, ge=1, le=MAX_GAMMA, description="draft tokens per target forward pass (chains)")
+    tree_width: int | None = Field(None, ge=1, le=MAX_TREE, description="tree: children per node (default: cost model)")
+    tree_depth: int | None = Field(None, ge=1, le=MAX_GAMMA, description="tree: depth (default: cost model)")
+    tree_nodes: int | None = Field(None, ge=1, le=MAX_TREE, description="tree: nodes per pass (default: cost model)")
 
 
 class StreamOptions(BaseModel):
@@ -740,6 +745,10 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
         spec = body.speculation or Speculation()
         req_method = spec.method or method
         req_gamma = spec.gamma or gamma
+        tree = {k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes") if getattr(spec, k) is not None}
+        if tree and req_method != "tree":
+            raise APIError(400, "tree_width, tree_depth and tree_nodes apply to method 'tree' only",
+                           param="speculation", code="invalid_value")
         if req_method == "draft" and engine.draft_model is None:
             raise APIError(400, "method 'draft' needs a draft model, and this server has none; "
                                 "use 'pld' or 'autoregressive'", param="speculation.method", code="unsupported_value")
@@ -769,7 +778,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
             temperature = max(temperature, TINY)
         top_p = max(top_p, TINY)
         kwargs = dict(method=req_method, gamma=req_gamma, max_new_tokens=max_tokens, temperature=temperature,
-                      top_k=body.top_k or 0, top_p=top_p, seed=seed, stop=body.stop, chat=chat)
+                      top_k=body.top_k or 0, top_p=top_p, seed=seed, stop=body.stop, chat=chat, **tree)
         return Job(asyncio.get_running_loop(), endpoint, prompt, kwargs, timeout_s)
 
     async def next_event(job: Job, request: Request) -> tuple:
@@ -938,7 +947,9 @@ def serve(args) -> None:
         raise SpecDecodeError("--api-key must not be empty")
     model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
     engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
-                         with_draft=args.method == "draft" or args.draft is not None)
+                         with_draft=args.method in ("draft", "tree") or args.draft is not None)
+    if args.method == "tree":
+        engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout)
     if not _is_loopback(args.host) and api_key is None:
