@@ -56,7 +56,8 @@ def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0) ->
     """Seconds of one pass over n new tokens after CONTEXT cached ones: the fastest of `repeats`
     rounds (round-robin over the sizes, so a burst of noise does not hit one size only), made
     non-decreasing in n. Sizes past stop_at x the 1-token cost are not measured (extrapolated)."""
-    context = [(7 * i + 11) % 1000 for i in range(CONTEXT)]
+    vocab = min(1000, int(lm.model.get_output_embeddings().weight.shape[0]))
+    context = [(7 * i + 11) % vocab for i in range(CONTEXT)]
     best: dict[int, float] = {}
     lm.reset()
     lm.forward(context, last_only=True)
@@ -108,13 +109,14 @@ def _cpu_name() -> str:
 
 def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostModel:
     from .models import cache_dir
-    path = cache_dir() / "costs" / f"{machine_key(*(lm for lm in (target_lm, draft_lm) if lm))}.json"
+    path = cache_dir() / "costs" / f"{machine_key(*(lm for lm in (target_lm, draft_lm) if lm is not None))}.json"
     if path.exists():
         try:
             raw = json.loads(path.read_text())
-            return CostModel({int(k): v for k, v in raw["target"].items()},
-                             {int(k): v for k, v in raw.get("draft", {}).items()})
-        except (ValueError, KeyError, TypeError):
+            tables = [{int(k): float(v) for k, v in raw[name].items()} for name in ("target", "draft")]
+            if tables[0] and all(v > 0 for t in tables for v in t.values()) and (bool(tables[1]) == (draft_lm is not None)):
+                return CostModel(*tables)
+        except (ValueError, KeyError, TypeError, AttributeError):
             pass  # a damaged file: measure again
     from tqdm.auto import tqdm
     sizes = [n for n in TARGET_SIZES if n + CONTEXT < target_lm.max_length]

@@ -38,6 +38,7 @@ class _Node:
     depth: int
     value: float  # estimated P(target accepts the path to this node)
     conf: float | None  # draft probability of token given its parent (None: a prompt-lookup node)
+    rank: int = 0  # among its siblings from the draft model: 0 = the draft's first choice
     q: torch.Tensor | None = None  # [V] the distribution it was drawn from; None = one-hot
     cache: int | None = None  # index in the draft model's cache once it went through a draft pass
 
@@ -46,7 +47,8 @@ class TreeState:
     """What one engine learns online about its drafter, per sampling mode."""
 
     def __init__(self):
-        self.draft = Calibration()  # draft confidence -> P(accept | parent accepted)
+        # draft confidence -> P(accept | parent accepted), for the draft's first choice and for the others
+        self.draft = (Calibration(), Calibration())
         self.lookup = Calibration(bins=MAX_DEPTH, prior=lambda x: 0.5)  # by depth for prompt-lookup nodes
         self.rho = 0.6  # P(some child accepted | an expanded node accepted): the gain of expanding
         self.rate = None  # moving average of modelled tokens per second while speculating
@@ -106,7 +108,7 @@ class TreeDrafter:
                 self.spent += self._d(len(expand))
                 frontier = list(zip(expand, logits))
         if self.lookup is not None:
-            self._add_lookup(ids, max_depth)
+            self._add_lookup(ids, max_depth, params.greedy)
         return self._draft(self._select(params))
 
     def _children(self, parent: int, logits: torch.Tensor, depth: int, params: SamplingParams, generator) -> list[int]:
@@ -115,20 +117,21 @@ class TreeDrafter:
         if params.greedy:  # deterministic children: the draft's top-k, confidence from its softmax
             conf = torch.softmax(logits.float(), -1)
             top = conf.topk(self.width)
-            for c, x in zip(top.values.tolist(), top.indices.tolist()):
-                made.append(self._add(_Node(x, parent, depth, v_parent * self.state.draft(c), c)))
+            for r, (c, x) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+                made.append(self._add(_Node(x, parent, depth, v_parent * self.state.draft[min(r, 1)](c), c, r)))
         else:  # drawn children: how many is fixed from q alone, before drawing
             q = probs_from_logits(logits, params)
             k = self.width
             if self.fixed_width is None:  # enough children to cover most of q's mass
                 mass = q.topk(self.width).values.cumsum(0)
                 k = min(self.width, int((mass < 0.8).sum()) + 1)
-            k = min(k, int((q > 0).sum()))
+            # the budget caps drawn nodes up front (never by pruning what was drawn)
+            k = min(k, int((q > 0).sum()), self.max_nodes - len(self.nodes))
             rest = q
-            for _ in range(k):
+            for r in range(k):
                 x = int(sample(rest, generator))
                 c = float(q[x])
-                made.append(self._add(_Node(x, parent, depth, v_parent * self.state.draft(c), c, rest)))
+                made.append(self._add(_Node(x, parent, depth, v_parent * self.state.draft[min(r, 1)](c), c, r, rest)))
                 rest = rest.clone()
                 rest[x] = 0.0
                 rest = rest / rest.sum()
@@ -176,10 +179,12 @@ class TreeDrafter:
                 best = (rate, n, e)
         return best
 
-    def _add_lookup(self, ids: list[int], max_depth: int) -> None:
+    def _add_lookup(self, ids: list[int], max_depth: int, greedy: bool) -> None:
         tokens = self.lookup.propose(ids, max_depth).tokens
         parent = -1
         for depth, x in enumerate(tokens, 1):
+            if not greedy and len(self.nodes) >= self.max_nodes:  # (a greedy tree is cut to size later)
+                break
             same = [i for i, nd in enumerate(self.nodes) if nd.parent == parent and nd.token == x]
             if same:
                 parent = same[0]
@@ -209,7 +214,8 @@ class TreeDrafter:
             q = torch.stack([nd.q if nd.q is not None else torch.zeros(V).index_fill_(0, torch.tensor(nd.token), 1.0)
                              for nd in self.kept])
         chain = all(p == i - 1 for i, p in enumerate(parents))
-        expected = 1.0 + sum(nd.value for nd in self.kept)
+        # the estimate is only as good as the calibration, which a tree engine keeps learning
+        expected = 1.0 + sum(nd.value for nd in self.kept) if self.costs is not None else None
         return Draft(tokens, q, None if chain else parents, expected)
 
     def _d(self, k: int) -> float:
@@ -246,7 +252,7 @@ class TreeDrafter:
             if nd.conf is None:
                 st.lookup.update((nd.depth - 1) / MAX_DEPTH, hit[i])
             else:
-                st.draft.update(nd.conf, hit[i])
+                st.draft[min(nd.rank, 1)].update(nd.conf, hit[i])
         for i, nd in enumerate(nodes):  # did expanding an accepted node pay?
             if nd.cache is not None and hit[i]:
                 st.rho = 0.95 * st.rho + 0.05 * any(hit[j] for j, c in enumerate(nodes) if c.parent == i)
