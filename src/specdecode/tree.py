@@ -10,7 +10,8 @@ Shape: with a CostModel (measured pass costs) each choice (expand one more depth
 frontier nodes, how many nodes to verify) maximises expected tokens per second,
 (1 + sum of kept values) / (draft time + target time for N+1 tokens); a width/depth/nodes given
 by hand fixes that dimension. When speculation does not pay (modelled rate below plain decoding)
-the drafter backs off to plain steps for a while and tries again.
+the drafter stops running the draft model for a while (prompt lookup, free to draft, still proposes
+when it pays) and then tries again.
 
 Lossless sampling (verify_tree's contract): a greedy tree is all one-hot nodes, which may be chosen
 and pruned by any draft-side rule. With temperature > 0 the children of an expanded node are
@@ -53,7 +54,7 @@ class TreeState:
         self.rho = 0.6  # P(some child accepted | an expanded node accepted): the gain of expanding
         self.rate = None  # moving average of modelled tokens per second while speculating
         self.steps = 0
-        self.plain_left = 0  # plain steps to take before trying speculation again
+        self.plain_left = 0  # steps to take without the draft model before trying it again
         self.backoff = 8
 
 
@@ -86,11 +87,10 @@ class TreeDrafter:
         """gamma caps the depth (the engine never drafts what it cannot emit)."""
         st, max_depth = self.state, min(gamma, self.max_depth)
         self.nodes, self.spent = [], 0.0
-        if self.adaptive and st.plain_left > 0:
-            st.plain_left -= 1
-            self.kept, self.kept_parents = [], []
-            return Draft([], None, expected=1.0)
-        if self.model is not None:
+        use_model = self.model is not None and not (self.adaptive and st.plain_left > 0)
+        if self.model is not None and not use_model:
+            st.plain_left -= 1  # backing off: prompt lookup (free to draft) may still propose
+        if use_model:
             logits, fed = self.model.root(ids)
             self.spent += self._d(fed)
             self._root_index = len(self.model.lm) - 1
@@ -235,7 +235,7 @@ class TreeDrafter:
                     break
                 branch.append(kept[i].cache)
             lm.rollback(min(length, len(lm)), branch if len(lm) >= length else [])
-        if self.adaptive and (kept or self.spent):  # not the plain back-off steps
+        if self.adaptive and self.spent:  # steps that paid for the draft model
             self._learn_rate(len(path) + 1, len(kept))
         self.kept, self.kept_parents, self.nodes = [], [], []
 
@@ -258,7 +258,7 @@ class TreeDrafter:
                 st.rho = 0.95 * st.rho + 0.05 * any(hit[j] for j, c in enumerate(nodes) if c.parent == i)
 
     def _learn_rate(self, emitted: int, n_nodes: int) -> None:
-        """Back off to plain decoding while speculation's modelled rate stays below plain decoding's."""
+        """Stop using the draft model for a while when its modelled rate stays below plain decoding's."""
         st = self.state
         rate = emitted / (self.spent + self.costs.t(n_nodes + 1))
         st.rate = rate if st.rate is None else 0.9 * st.rate + 0.1 * rate
