@@ -71,7 +71,6 @@ class TreeDrafter:
         self.costs, self.state = costs, state or TreeState()
         self.nodes: list[_Node] = []  # everything grown this step
         self.kept: list[_Node] = []  # the nodes sent to the target, in Draft order
-        self.kept_parents: list[int] = []
         self.spent = 0.0  # modelled draft seconds of the current step
 
     def reset(self) -> None:
@@ -207,7 +206,7 @@ class TreeDrafter:
         index = {old: new for new, old in enumerate(keep)}
         self.kept = [self.nodes[i] for i in keep]
         tokens = [nd.token for nd in self.kept]
-        parents = self.kept_parents = [-1 if nd.parent < 0 else index[nd.parent] for nd in self.kept]
+        parents = [-1 if nd.parent < 0 else index[nd.parent] for nd in self.kept]
         q = None
         if any(nd.q is not None for nd in self.kept):
             V = next(nd.q for nd in self.kept if nd.q is not None).shape[-1]
@@ -237,7 +236,7 @@ class TreeDrafter:
             lm.rollback(min(length, len(lm)), branch if len(lm) >= length else [])
         if self.adaptive and self.spent:  # steps that paid for the draft model
             self._learn_rate(len(path) + 1, len(kept))
-        self.kept, self.kept_parents, self.nodes = [], [], []
+        self.kept, self.nodes = [], []
 
     def _learn_acceptance(self, emitted: list[int]) -> None:
         """Every grown node whose parent's path was emitted was (or, pruned, would have been) tried:
