@@ -63,7 +63,8 @@ class TreeDrafter:
                  nodes: int | None = None, adaptive: bool = True, costs: CostModel | None = None,
                  state: TreeState | None = None):
         self.model, self.lookup = draft_model, PromptLookup() if pld else None
-        self.adaptive = adaptive and costs is not None
+        # a shape fixed in every dimension is taken as given: no planning, no backing off
+        self.adaptive = adaptive and costs is not None and None in (width, depth, nodes)
         self.fixed_width, self.fixed_depth, self.fixed_nodes = width, depth, nodes
         self.width = width or MAX_WIDTH
         self.max_depth = depth or MAX_DEPTH
@@ -78,7 +79,8 @@ class TreeDrafter:
             self.model.reset()
 
     def prefill(self, ids: list[int]) -> None:
-        if self.model is not None:
+        # while backing off, the draft model reads the text only when it is next used
+        if self.model is not None and not (self.adaptive and self.state.plain_left > 0):
             self.model.prefill(ids)
 
     # -- one step -------------------------------------------------------------------------------
@@ -121,9 +123,8 @@ class TreeDrafter:
         else:  # drawn children: how many is fixed from q alone, before drawing
             q = probs_from_logits(logits, params)
             k = self.width
-            if self.fixed_width is None:  # enough children to cover most of q's mass
-                mass = q.topk(self.width).values.cumsum(0)
-                k = min(self.width, int((mass < 0.8).sum()) + 1)
+            if self.fixed_width is None:
+                k = self._drawn_children(q, v_parent)
             # the budget caps drawn nodes up front (never by pruning what was drawn)
             k = min(k, int((q > 0).sum()), self.max_nodes - len(self.nodes))
             rest = q
@@ -135,6 +136,23 @@ class TreeDrafter:
                 rest[x] = 0.0
                 rest = rest / rest.sum()
         return made
+
+    def _drawn_children(self, q: torch.Tensor, v_parent: float) -> int:
+        """How many children to draw from q, decided before drawing: while the next one (valued as
+        if it were q's next most likely token) raises the expected rate; without a cost model,
+        enough to cover most of q's mass."""
+        top = q.topk(self.width).values.tolist()
+        if not self.adaptive:
+            return min(self.width, sum(m < 0.8 for m in torch.tensor(top).cumsum(0).tolist()) + 1)
+        e = 1.0 + sum(nd.value for nd in self.nodes)
+        n = len(self.nodes)
+        k = 0
+        for r, c in enumerate(top):
+            v = v_parent * self.state.draft[min(r, 1)](c)
+            if (e + v) / (self.spent + self.costs.t(n + 2)) <= e / (self.spent + self.costs.t(n + 1)):
+                break
+            e, n, k = e + v, n + 1, k + 1
+        return k
 
     def _cache_index(self, parent: int) -> int:
         return self._root_index if parent < 0 else self.nodes[parent].cache
@@ -184,6 +202,11 @@ class TreeDrafter:
         for depth, x in enumerate(tokens, 1):
             if not greedy and len(self.nodes) >= self.max_nodes:  # (a greedy tree is cut to size later)
                 break
+            if not greedy and self.adaptive:  # one-hot, so droppable; but a sampled tree is not cut later
+                e, n = 1.0 + sum(nd.value for nd in self.nodes), len(self.nodes)
+                v = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup((depth - 1) / MAX_DEPTH)
+                if (e + v) / (self.spent + self.costs.t(n + 2)) <= e / (self.spent + self.costs.t(n + 1)):
+                    break
             same = [i for i, nd in enumerate(self.nodes) if nd.parent == parent and nd.token == x]
             if same:
                 parent = same[0]
