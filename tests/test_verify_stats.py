@@ -60,8 +60,8 @@ def gof_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
     Zero-probability cells are otherwise dropped, and cells with expected count < MIN_EXPECTED are
     merged (smallest first) into bins of expected count >= MIN_EXPECTED.
     """
-    observed = np.asarray(observed, dtype=np.float64)
-    probs = np.asarray(probs, dtype=np.float64)
+    observed = np.asarray(observed, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
     assert observed.shape == probs.shape
     zero = probs <= 0
     if observed[zero].sum() > 0:

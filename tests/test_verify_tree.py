@@ -28,9 +28,9 @@ from typing import Callable, Optional
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdecode.verify import verify, verify_tree
+from test_verify_stats import _draw, gof_pvalue  # the chain tests' chi-square and sampler
 
 ALPHA = 1e-6  # a p-value at or below this is a failure
 N = 100_000  # trials per statistical case (one verify_tree call each)
@@ -39,7 +39,6 @@ N = 100_000  # trials per statistical case (one verify_tree call each)
 # here, where a p-value of 1e-6 needs a statistic of about 60. A control rejected with N_CONTROL trials
 # is rejected a fortiori with the N trials of the positive cases; fewer trials keep the file fast.
 N_CONTROL = 10_000
-MIN_EXPECTED = 5.0
 
 
 def gen(seed=0):
@@ -273,44 +272,6 @@ def test_parent_not_before_child_raises_value_error(parents):
 # ============================================================================ statistics
 
 
-def gof_pvalue(observed, probs) -> float:
-    """Chi-square goodness-of-fit p-value of integer counts against a probability vector.
-
-    Observations in a zero-probability cell are impossible under the hypothesis: p-value 0.
-    Zero-probability cells are otherwise dropped, and cells with expected count < MIN_EXPECTED are
-    merged (smallest first) into bins of expected count >= MIN_EXPECTED.
-    """
-    observed = np.asarray(observed, dtype=np.float64).ravel()
-    probs = np.asarray(probs, dtype=np.float64).ravel()
-    assert observed.shape == probs.shape
-    zero = probs <= 0
-    if observed[zero].sum() > 0:
-        return 0.0
-    obs, prob = observed[~zero], probs[~zero]
-    n = obs.sum()
-    if n == 0 or obs.size < 2:
-        return 1.0
-    exp = prob / prob.sum() * n
-    order = np.argsort(exp, kind="stable")
-    bins_e, bins_o = [], []
-    acc_e = acc_o = 0.0
-    for e, o in zip(exp[order], obs[order]):
-        acc_e += e
-        acc_o += o
-        if acc_e >= MIN_EXPECTED:
-            bins_e.append(acc_e)
-            bins_o.append(acc_o)
-            acc_e = acc_o = 0.0
-    if bins_e:  # leftover small bin: merge into the last one
-        bins_e[-1] += acc_e
-        bins_o[-1] += acc_o
-    if len(bins_e) < 2:
-        return 1.0
-    bins_e = np.array(bins_e)
-    bins_e *= n / bins_e.sum()  # exact equality of totals for scipy
-    return float(chisquare(np.array(bins_o), bins_e).pvalue)
-
-
 def test_gof_pvalue_basics():
     probs = np.array([0.5, 0.25, 0.25, 0.0])
     assert gof_pvalue(np.array([500, 250, 250, 0]), probs) == pytest.approx(1.0)
@@ -351,14 +312,6 @@ Q1 = torch.tensor([
 ], **_f64)
 JOINT2 = P0[:, None] * P1  # [x, y]
 JOINT3 = JOINT2[:, :, None] * P2[None]  # [x, y, z]
-
-
-def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """Inverse-CDF sampling over the last dim; zero-probability tokens are never drawn."""
-    cdf = probs.double().cumsum(-1)
-    cdf = cdf / cdf[..., -1:]
-    u = 1.0 - torch.rand(probs.shape[:-1], generator=g, dtype=torch.float64)
-    return (cdf < u[..., None]).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def test_draw_matches_probabilities():
