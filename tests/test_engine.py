@@ -5,7 +5,7 @@ import torch
 from specdecode import Engine, SamplingParams, SpecDecodeError, Stats, speculative_decode
 from specdecode.drafters import DraftModel, PromptLookup
 from specdecode.kv import CachedLM
-from tiny import byte_tokenizer, tiny_model
+from tiny import byte_tokenizer, tiny_model, tiny_sliding_model
 
 GREEDY = SamplingParams()
 
@@ -260,15 +260,7 @@ def test_draft_vocab_padding_is_aligned():
 
 def test_sliding_window_model_rolls_back_past_the_window():
     """Sliding-window layers drop old states once full; rollback must still work past the window."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         use_sliding_window=True, sliding_window=16, max_window_layers=0,
-                         layer_types=["sliding_attention", "sliding_attention"])
-    model = Qwen2ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+    model = tiny_sliding_model()
     plain, _ = run(CachedLM(model), None, PROMPTS[1], 0, 80)
     spec, stats = run(CachedLM(model), DraftModel(tiny_model(1), 257), PROMPTS[1], 4, 80)
     assert spec == plain and stats.rejections > 0

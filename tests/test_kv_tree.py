@@ -11,7 +11,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.kv import CachedLM
-from tiny import tiny_model
+from tiny import tiny_model, tiny_sliding_model
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 PROMPT = [5, 17, 42, 99, 3, 8, 250]  # 7 tokens
@@ -325,21 +325,8 @@ def test_rollback_path_must_hang_off_length(model):
     assert len(lm) == root + 1 + len(BRANCHES)
 
 
-def sliding_model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         use_sliding_window=True, sliding_window=16, max_window_layers=0,
-                         layer_types=["sliding_attention", "sliding_attention"])
-    model = Qwen2ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
-
-
 def test_sliding_window_model_refuses_trees_but_chains_work():
-    model = sliding_model()
+    model = tiny_sliding_model()
     lm = CachedLM(model)
     text = list(range(30, 60))  # 30 tokens: past the window of 16
     lm.forward(text[:20])

@@ -20,8 +20,10 @@ from specdecode import SamplingParams, SpecDecodeError, Stats, speculative_decod
 from specdecode.costs import Calibration, CostModel, load_or_measure, measure
 from specdecode.drafters import DraftModel
 from specdecode.kv import CachedLM
-from specdecode.sampling import probs_from_logits, sample
+from specdecode.sampling import probs_from_logits
 from specdecode.tree import MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeDrafter
+from test_engine import run  # the loop driven on token ids
+from test_verify_tree import no_residual_update
 from tiny import tiny_model
 
 GREEDY = SamplingParams()
@@ -36,16 +38,6 @@ PROMPTS = [
     list(range(30, 60)),
     [104, 101, 108, 108, 111, 32] * 6 + [104, 101],  # repetitive: prompt lookup hits
 ]
-
-
-def run(target, drafter, prompt, gamma, n, params=GREEDY, seed=0, eos=frozenset()):
-    stats = Stats()
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for new in speculative_decode(target, drafter, prompt, gamma=gamma, params=params, max_new_tokens=n,
-                                  eos_ids=set(eos), generator=gen, stats=stats):
-        out += new
-    return out, stats
 
 
 def run_tree(target_model, drafter, prompt, n, **kw):
@@ -569,24 +561,9 @@ def test_sampled_tree_keeps_the_target_distribution(small_models):
     assert p1 > ALPHA, p1
 
 
-def verify_tree_no_residual(p, tokens, parents, q=None, generator=None):
-    """WRONG on purpose: after a rejected child the next sibling is tested against p itself, and the
-    final token is drawn from p (the residual is never updated)."""
-    children = [[] for _ in range(len(tokens) + 1)]
-    for i, parent in enumerate(parents):
-        children[parent + 1].append(i)
-    path, row = [], 0
-    while True:
-        dist = p[row]
-        for child in children[row]:
-            x = tokens[child]
-            qx = 1.0 if q is None else float(q[child, x])
-            if float(torch.rand((), generator=generator)) * qx < float(dist[x]):
-                path.append(child)
-                row = child + 1
-                break
-        else:
-            return path, int(sample(dist, generator))
+# WRONG on purpose: after a rejected child the next sibling is tested against p itself, and the final
+# token is drawn from p (the residual is never updated): the verifier tests' negative control (i)
+verify_tree_no_residual = no_residual_update("p")
 
 
 def test_sampled_harness_rejects_a_wrong_verifier(small_models, monkeypatch):

@@ -38,6 +38,19 @@ def tiny_model(seed: int, vocab_size: int = 257, layers: int = 2, hidden: int = 
     return model
 
 
+def tiny_sliding_model() -> Qwen2ForCausalLM:
+    """A tiny model whose layers all use a 16-token sliding window."""
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         use_sliding_window=True, sliding_window=16, max_window_layers=0,
+                         layer_types=["sliding_attention", "sliding_attention"])
+    model = Qwen2ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
 def save_tiny(path: Path, seed: int, **kwargs) -> Path:
     model = tiny_model(seed, **kwargs)
     model.save_pretrained(path)

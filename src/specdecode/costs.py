@@ -46,7 +46,7 @@ class CostModel:
 def _interpolate(table: dict[int, float], n: int) -> float:
     xs = sorted(table)
     if n <= xs[0]:
-        return table[xs[0]] * n / xs[0] if n < xs[0] else table[xs[0]]
+        return table[xs[0]] * n / xs[0]
     i = min(bisect_left(xs, n), len(xs) - 1)
     a, b = xs[i - 1], xs[i]
     return table[a] + (table[b] - table[a]) * (n - a) / (b - a)  # beyond the last point: extrapolate

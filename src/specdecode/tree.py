@@ -149,10 +149,14 @@ class TreeDrafter:
         k = 0
         for r, c in enumerate(top):
             v = v_parent * self.state.draft[min(r, 1)](c)
-            if (e + v) / (self.spent + self.costs.t(n + 2)) <= e / (self.spent + self.costs.t(n + 1)):
+            if not self._pays(e, n, v):
                 break
             e, n, k = e + v, n + 1, k + 1
         return k
+
+    def _pays(self, e: float, n: int, v: float) -> bool:
+        """Whether one more node worth v raises the expected rate of a tree of n nodes worth e tokens."""
+        return (e + v) / (self.spent + self.costs.t(n + 2)) > e / (self.spent + self.costs.t(n + 1))
 
     def _cache_index(self, parent: int) -> int:
         return self._root_index if parent < 0 else self.nodes[parent].cache
@@ -202,17 +206,15 @@ class TreeDrafter:
         for depth, x in enumerate(tokens, 1):
             if not greedy and len(self.nodes) >= self.max_nodes:  # (a greedy tree is cut to size later)
                 break
-            if not greedy and self.adaptive:  # one-hot, so droppable; but a sampled tree is not cut later
-                e, n = 1.0 + sum(nd.value for nd in self.nodes), len(self.nodes)
-                v = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup((depth - 1) / MAX_DEPTH)
-                if (e + v) / (self.spent + self.costs.t(n + 2)) <= e / (self.spent + self.costs.t(n + 1)):
-                    break
+            value = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup((depth - 1) / MAX_DEPTH)
+            # one-hot, so droppable; but a sampled tree is not cut later, so decide now
+            if not greedy and self.adaptive and not self._pays(1.0 + sum(nd.value for nd in self.nodes),
+                                                              len(self.nodes), value):
+                break
             same = [i for i, nd in enumerate(self.nodes) if nd.parent == parent and nd.token == x]
             if same:
                 parent = same[0]
                 continue
-            v_parent = 1.0 if parent < 0 else self.nodes[parent].value
-            value = v_parent * self.state.lookup((depth - 1) / MAX_DEPTH)
             parent = self._add(_Node(x, parent, depth, value, None))
 
     def _select(self, params: SamplingParams) -> list[int]:
