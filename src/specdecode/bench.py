@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from .engine import METHODS, Engine
 from .errors import SpecDecodeError
 
-BENCH_METHODS = (*METHODS, "hf-assisted")
+PEERS = ("hf-assisted", "llama.cpp", "llama.cpp-pld")  # other tools' decoders, measured in the same run
+BENCH_METHODS = (*METHODS, *PEERS)
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -57,6 +58,51 @@ def parse_methods(text: str) -> list[str]:
     if "autoregressive" not in methods:
         methods.insert(0, "autoregressive")  # the baseline every speedup is measured against
     return methods
+
+
+def default_methods(engine: Engine) -> list[str]:
+    methods = ["autoregressive", "auto", "pld"] + (["draft"] if engine.draft_model is not None else [])
+    if engine.backend == "llama.cpp":
+        return methods + ["llama.cpp", "llama.cpp-pld"]
+    return methods + (["hf-assisted"] if engine.draft_model is not None else [])
+
+
+def check_methods(engine: Engine, methods: list[str]) -> None:
+    if engine.draft_model is None and {"draft", "hf-assisted"} & set(methods):
+        raise SpecDecodeError("methods draft and hf-assisted need a draft model (--draft)")
+    if "hf-assisted" in methods and engine.backend != "torch":
+        raise SpecDecodeError("the hf-assisted peer runs on the torch backend (--backend torch)")
+    if {"llama.cpp", "llama.cpp-pld"} & set(methods) and engine.backend != "llama.cpp":
+        raise SpecDecodeError("the llama.cpp peers need the target on the llama.cpp backend (a GGUF model, "
+                              "--backend llama.cpp or auto)")
+
+
+class LlamaPeer:
+    """llama-cpp-python's own high-level greedy generation on the same GGUF file and thread count
+    (with its LlamaPromptLookupDecoding for llama.cpp-pld): what a user would run instead of us."""
+
+    def __init__(self, engine: Engine, pld: bool):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        lm = engine.target
+        self.eos = engine.eos_ids
+        self.llm = Llama(model_path=str(lm.path), n_ctx=min(lm.max_length, 4096), n_threads=lm.threads,
+                         n_threads_batch=lm.threads, n_gpu_layers=0, verbose=False,
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if pld else None)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed) -> dict:
+        if temperature != 0:
+            raise SpecDecodeError("the llama.cpp peers are benchmarked greedy only (--temperature 0)")
+        self.llm.reset()  # no prefix reuse from the previous prompt: each run prefills, as ours do
+        ids = []
+        t = time.perf_counter()
+        for tok in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                     reset=True):
+            ids.append(int(tok))
+            if tok in self.eos or len(ids) >= max_new_tokens:
+                break
+        wall = time.perf_counter() - t
+        return {"token_ids": ids, "new_tokens": len(ids), "wall_s": wall}
 
 
 def analytic_bound(alpha: float, gamma: int, c: float) -> float:
@@ -107,33 +153,60 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
     """tree: tree_width/tree_depth/tree_nodes for method tree (unset: chosen by its cost model)."""
     greedy = temperature == 0
     tree = tree or {}
+    costs = engine.tree_costs()  # the measured T(k)/T(1) curve and draft cost, shown next to the speed table
+    peers = {m: LlamaPeer(engine, pld=m == "llama.cpp-pld") for m in methods if m in ("llama.cpp", "llama.cpp-pld")}
     # warm-up (excluded): first calls pay for allocations and kernel selection
     for m in methods:
-        _run_one(engine, prompts[0], m, gamma, 8, temperature, seed, tree)
+        _run_one(engine, prompts[0], m, gamma, 8, temperature, seed, tree, peers)
     rows = []
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress)
     for p in prompts:
         for m in methods:  # interleaved, prompt by prompt
             bar.set_postfix_str(f"{p['id']} {m}")
             rows.append({"prompt_id": p["id"], "category": p["category"], "method": m,
-                         **_run_one(engine, p, m, gamma, max_new_tokens, temperature, seed, tree)})
+                         **_run_one(engine, p, m, gamma, max_new_tokens, temperature, seed, tree, peers)})
             bar.update(1)
     bar.close()
     return summarize(rows, methods, gamma=gamma, greedy=greedy,
                      config=dict(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                  prompts=len(prompts), methods=methods, device=str(engine.target.device),
-                                 dtype=str(next(engine.target.model.parameters()).dtype).replace("torch.", ""),
-                                 torch_threads=torch.get_num_threads(), tree=tree,
-                                 pass_costs=engine.costs.as_dict() if engine.costs else None))
+                                 backend=engine.backend, target=engine.target.name,
+                                 draft=engine.draft_model.lm.name if engine.draft_model else None,
+                                 dtype=str(engine.target.dtype).replace("torch.", ""),
+                                 draft_dtype=str(engine.draft_model.lm.dtype).replace("torch.", "")
+                                 if engine.draft_model else None,
+                                 threads=getattr(engine.target, "threads", torch.get_num_threads()),
+                                 torch_threads=torch.get_num_threads(), tree=tree, cpu=cpu_description(),
+                                 pass_costs=costs.as_dict()))
 
 
-def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=None) -> dict:
-    if method == "hf-assisted":
-        r = hf_assisted(engine, engine.encode(p["prompt"], p["chat"]), gamma, max_new_tokens, temperature, seed)
+def cpu_description() -> str:
+    """CPU model and the vector/matrix flags that decide which kernels run."""
+    from .costs import _cpu_name
+    flags = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+                break
+    except OSError:
+        pass
+    import os
+    return f"{_cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags: {' '.join(flags) or 'n/a'}"
+
+
+def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=None, peers=None) -> dict:
+    if method in PEERS:
+        ids = engine.encode(p["prompt"], p["chat"])
+        if method == "hf-assisted":
+            r = hf_assisted(engine, ids, gamma, max_new_tokens, temperature, seed)
+        else:
+            r = peers[method].generate(ids, max_new_tokens, temperature, seed)
         return {**r, "tokens_per_second": r["new_tokens"] / r["wall_s"], "target_forwards": None, "drafted": None,
                 "accepted": None, "rejections": None, "mean_accepted_tokens": None, "acceptance_rate": None,
                 "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None,
-                "tree_depth": None, "expected_tokens": None, "planned_passes": None}
+                "tree_depth": None, "expected_tokens": None, "planned_passes": None, "modelled_s": None,
+                "strategies": None}
     g = engine.generate(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
                         temperature=temperature, seed=seed, **(tree or {} if method == "tree" else {}))
     s = g.stats
@@ -143,7 +216,7 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
             "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,
             "drafted_per_position": s.drafted_per_position, "draft_s": s.draft_s, "verify_s": s.verify_s,
             "prefill_s": s.prefill_s, "tree_depth": s.tree_depth, "expected_tokens": s.expected_tokens,
-            "planned_passes": s.planned_passes}
+            "planned_passes": s.planned_passes, "modelled_s": s.modelled_s, "strategies": s.strategies}
 
 
 def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool, config: dict) -> dict:
@@ -169,23 +242,31 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
                "draft_cost_ratio": None, "verify_cost_ratio": None, "analytic_bound": None, "efficiency": None,
                "cost_model_bound": None,
                "acceptance_by_position": None, "greedy_agreement": None}
-        if m != "hf-assisted" and total(m, "target_forwards"):
+        if m not in PEERS and total(m, "target_forwards"):
             fwd = total(m, "target_forwards")
             res["mean_accepted_tokens"] = total(m, "new_tokens") / fwd
             res["verify_cost_ratio"] = total(m, "verify_s") / fwd / ar_step if ar_step else None
-        if m == "tree" and total(m, "target_forwards"):
+        if m in ("tree", "auto") and total(m, "target_forwards"):
             fwd = total(m, "target_forwards")
             res["nodes_per_pass"] = total(m, "drafted") / fwd
             res["depth_per_pass"] = total(m, "tree_depth") / fwd
             planned = total(m, "planned_passes")
             res["expected_tokens_per_pass"] = total(m, "expected_tokens") / planned if planned else None
-        if m in ("draft", "pld", "tree") and total(m, "drafted"):
+            plain = (config.get("pass_costs") or {}).get("target_s_1")
+            modelled = total(m, "modelled_s")
+            res["predicted_speedup"] = total(m, "expected_tokens") / modelled * plain if modelled and plain else None
+            res["strategies"] = {}
+            for r in mine:
+                for k, v in (r["strategies"] or {}).items():
+                    res["strategies"][k] = res["strategies"].get(k, 0) + v
+        if m in ("draft", "pld", "tree", "auto") and total(m, "drafted"):
             acc, drafted = total(m, "accepted"), total(m, "drafted")
             res["acceptance_rate"] = acc / drafted
             # a tree's α and bound would need its branching: the chain formulas apply to chains only
-            res["alpha"] = alpha = alpha_from_counts(acc, total(m, "rejections")) if m != "tree" else None
-            res["draft_cost_ratio"] = c = (total(m, "draft_s") / drafted / ar_step) if ar_step and m != "tree" else None
-            if m == "tree" and ar_step:  # a tree's draft time is per pass, not per token
+            chain = m in ("draft", "pld")
+            res["alpha"] = alpha = alpha_from_counts(acc, total(m, "rejections")) if chain else None
+            res["draft_cost_ratio"] = c = (total(m, "draft_s") / drafted / ar_step) if ar_step and chain else None
+            if not chain and ar_step:  # a tree's draft time is per pass, not per token
                 res["draft_cost_per_pass"] = total(m, "draft_s") / total(m, "target_forwards") / ar_step
             # the tokens actually drafted per pass: prompt lookup often finds fewer than gamma, or none
             g = drafted / total(m, "target_forwards")

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt (streamed), then print stats")
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    g.add_argument("--method", choices=METHODS, default="draft")
+    g.add_argument("--method", choices=METHODS, default="auto",
+                   help="auto (default): the cost model picks plain decoding, lookup, a chain or a tree each step")
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
     _tree_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -37,13 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="default: bf16 where the hardware supports it natively, else fp32")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    _backend_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
 
     b = sub.add_parser("bench", help="benchmark methods against plain decoding (and HF assisted generation)")
     b.add_argument("--prompts", required=True, help="JSONL file: 'prompt' (completion) or 'turns' (chat) per line")
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    b.add_argument("--methods", default="autoregressive,draft,pld,hf-assisted",
-                   help="comma-separated: autoregressive,draft,pld,hf-assisted")
+    b.add_argument("--methods", default=None,
+                   help="comma-separated: auto,autoregressive,draft,pld,tree,hf-assisted (torch),"
+                        "llama.cpp,llama.cpp-pld (llama.cpp peers; default: auto,autoregressive,draft,pld and "
+                        "the backend's peers)")
     b.add_argument("--gamma", type=int, default=4, help="draft tokens per pass of the chain methods")
     _tree_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128)
@@ -53,18 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", default=None)
     b.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
     b.add_argument("--device", default=None)
+    _backend_args(b)
     b.add_argument("--out", default="bench-out", help="directory for results.json, report.md, *.png")
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--method", choices=METHODS, default="draft", help="default speculation (per request: "
+    s.add_argument("--method", choices=METHODS, default="auto", help="default speculation (per request: "
                                                                        "'speculation': {'method', 'gamma'})")
     s.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
     s.add_argument("--target", default=None, help="as for generate (default: qwen2.5-coder-1.5b-instruct)")
     s.add_argument("--draft", default=None, help="as for generate")
     s.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    _backend_args(s)
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, else none)")
@@ -73,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=300.0, help="longest a request may take, in seconds "
                                                                 "(default 300)")
     return parser
+
+
+def _backend_args(parser) -> None:
+    from .models import BACKENDS
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto (default): GGUF models on the CPU run on llama.cpp, the rest on torch")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
 
 
 def _tree_args(parser) -> None:
@@ -91,21 +104,25 @@ def _tree_kwargs(args) -> dict:
 
 
 def bench(args) -> None:
-    from .bench import load_prompts, parse_methods, report, run_bench, write_outputs
+    from .bench import check_methods, default_methods, load_prompts, parse_methods, report, run_bench, write_outputs
     from .engine import Engine
     from .sampling import SamplingParams
-    methods = parse_methods(args.methods)
+    if args.threads is not None and args.threads <= 0:
+        raise SpecDecodeError(f"--threads must be positive, got {args.threads}")
+    methods = parse_methods(args.methods) if args.methods else None
     prompts = load_prompts(args.prompts, args.limit)
     SamplingParams(args.temperature)  # validate before loading models
     if args.gamma <= 0 or args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
         raise SpecDecodeError("--gamma, --max-new-tokens and --limit must be positive")
     tree = _tree_kwargs(args)
-    if tree and "tree" not in methods:
+    if tree and methods is not None and "tree" not in methods:
         raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to method tree, which is not benchmarked")
-    engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
-                         with_draft=bool({"draft", "hf-assisted", "tree"} & set(methods)))
-    if engine.draft_model is None and {"draft", "hf-assisted"} & set(methods):
-        raise SpecDecodeError("methods draft and hf-assisted need a draft model (--draft)")
+    engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+                         threads=args.threads,
+                         with_draft=methods is None or bool({"draft", "hf-assisted", "tree", "auto"} & set(methods)))
+    if methods is None:
+        methods = default_methods(engine)
+    check_methods(engine, methods)
     results = run_bench(engine, prompts, methods, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed, tree=tree)
     out = write_outputs(results, args.out)
@@ -116,7 +133,9 @@ def check_args(args) -> None:
     """Fail fast, before a model load that can take a minute."""
     from .sampling import SamplingParams
     SamplingParams(args.temperature, args.top_k, args.top_p)
-    for name in ("max_new_tokens", "gamma"):
+    for name in ("max_new_tokens", "gamma", "threads"):
+        if name == "threads" and args.threads is None:
+            continue
         if getattr(args, name) <= 0:
             raise SpecDecodeError(f"{name} must be a positive integer, got {getattr(args, name)}")
     if args.method == "draft" and args.target is not None and args.draft is None:
@@ -131,8 +150,8 @@ def generate(args) -> None:
     if not prompt:
         raise SpecDecodeError("the prompt is empty")
     check_args(args)
-    engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
-                         with_draft=args.method in ("draft", "tree"), progress=not args.json)
+    engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+                         threads=args.threads, with_draft=args.method in ("draft", "tree", "auto"), progress=not args.json)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop=args.stop, chat=args.chat, **_tree_kwargs(args))
@@ -148,10 +167,11 @@ def generate(args) -> None:
     s = result.stats
     rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.1%}"
     sys.stdout.write("\n")
-    shape = f"gamma={s.gamma}" if s.tree is None else (
+    shape = f"gamma={s.gamma}" if s.tree is None else ", ".join(f"{k} {v}" for k, v in s.strategies.items()) \
+        if s.method == "auto" else (
         f"nodes/pass {s.mean_tree_nodes or 0:.1f}, depth/pass {s.tree_depth / max(1, s.target_forwards):.1f}, "
         f"expected tokens/pass {s.expected_tokens_per_pass or 0:.2f}")
-    sys.stderr.write(f"[{s.method} {shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+    sys.stderr.write(f"[{s.method} on {engine.backend}, {shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
                      f"({s.tokens_per_second or 0:.2f} tok/s) | target forwards {s.target_forwards} | "
                      f"accepted {s.accepted}/{s.drafted} ({rate}) | "
                      f"tokens per target forward {s.mean_accepted_tokens or 0:.2f} | "

@@ -18,8 +18,6 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_SIZES = (1, 2, 4, 8)
 CONTEXT = 128  # tokens already cached when timing: a typical prompt
@@ -56,7 +54,7 @@ def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0) ->
     """Seconds of one pass over n new tokens after CONTEXT cached ones: the fastest of `repeats`
     rounds (round-robin over the sizes, so a burst of noise does not hit one size only), made
     non-decreasing in n. Sizes past stop_at x the 1-token cost are not measured (extrapolated)."""
-    vocab = min(1000, int(lm.model.get_output_embeddings().weight.shape[0]))
+    vocab = min(1000, lm.vocab_size)
     context = [(7 * i + 11) % vocab for i in range(CONTEXT)]
     best: dict[int, float] = {}
     lm.reset()
@@ -73,8 +71,7 @@ def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0) ->
             lm.rollback(CONTEXT)
             t = time.perf_counter()
             lm.forward([1] * n)
-            if lm.device.type == "cuda":
-                torch.cuda.synchronize()
+            lm.synchronize()
             best[n] = min(best.get(n, float("inf")), time.perf_counter() - t)
             if progress is not None:
                 progress.update(1)
@@ -89,11 +86,7 @@ def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0) ->
 
 
 def machine_key(*lms) -> str:
-    parts = [platform.machine(), platform.processor(), _cpu_name(), torch.__version__, str(torch.get_num_threads())]
-    for lm in lms:
-        m = lm.model
-        parts += [str(getattr(m.config, "_name_or_path", "")), type(m).__name__, str(m.num_parameters()),
-                  str(lm.dtype), str(lm.device), torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else ""]
+    parts = [platform.machine(), platform.processor(), _cpu_name()] + [lm.describe() for lm in lms]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

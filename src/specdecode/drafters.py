@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kv import CachedLM
+from .kv import as_lm
 from .sampling import SamplingParams
 
 
@@ -23,6 +23,8 @@ class Draft:
     q: torch.Tensor | None  # [n, V] the distribution each token was drawn from; None = one-hot (deterministic)
     parents: list[int] | None = None  # [n] parent node of each token (-1 = the last committed token); None = chain
     expected: float | None = None  # the drafter's estimate of tokens this pass will emit, bonus included
+    modelled_s: float | None = None  # the cost model's seconds for this step (drafting + the target pass)
+    strategy: str | None = None  # what this step ran: plain, lookup, draft (a chain), tree
 
     @property
     def tree_parents(self) -> list[int]:
@@ -43,7 +45,7 @@ class DraftModel:
     tree of guesses (tree.py); a chain of gamma tokens is the tree with one child per node."""
 
     def __init__(self, model, vocab_size: int):
-        self.lm = CachedLM(model)
+        self.lm = as_lm(model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
         self.vocab_size = vocab_size  # the target's V: q must live on the same support as p
 
     def reset(self) -> None:
@@ -94,7 +96,7 @@ class PromptLookup:
                 start = int(hits[-1]) + n
                 tokens = arr[start:start + gamma].tolist()
                 if tokens:
-                    return Draft(tokens, None)
+                    return Draft(tokens, None, strategy="lookup")
         return Draft([], None)
 
     def commit(self, length: int, path: list[int], bonus: int) -> None:

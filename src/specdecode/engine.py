@@ -15,12 +15,12 @@ import torch
 
 from .drafters import Draft, DraftModel, PromptLookup
 from .errors import SpecDecodeError
-from .kv import CachedLM
+from .kv import CachedLM, as_lm
 from .sampling import SamplingParams, probs_from_logits
-from .tree import TreeDrafter, TreeState
+from .tree import TreeDrafter, TreeState, draft_model_can_pay
 from .verify import verify, verify_tree
 
-METHODS = ("autoregressive", "draft", "pld", "tree")
+METHODS = ("auto", "autoregressive", "draft", "pld", "tree")
 
 
 @dataclass
@@ -40,6 +40,9 @@ class Stats:
     tree_depth: int = 0  # summed over passes (a chain's depth is its length)
     expected_tokens: float = 0.0  # the drafter's expected tokens per pass, summed over passes that had one
     planned_passes: int = 0
+    modelled_s: float = 0.0  # the cost model's seconds for those passes (drafting + verification)
+    plain_step_s: float | None = None  # the cost model's seconds of one plain decoding step
+    strategies: dict = field(default_factory=dict)  # target passes by what ran: plain, lookup, draft, tree
     wall_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -68,6 +71,14 @@ class Stats:
     def expected_tokens_per_pass(self) -> float | None:
         return self.expected_tokens / self.planned_passes if self.planned_passes else None
 
+    @property
+    def predicted_speedup(self) -> float | None:
+        """What the cost model predicted against plain decoding: (expected tokens / modelled seconds)
+        x the modelled seconds of one plain step."""
+        if not self.modelled_s or not self.plain_step_s:
+            return None
+        return self.expected_tokens / self.modelled_s * self.plain_step_s
+
     def record(self, draft: Draft, accepted: int) -> None:
         self.target_forwards += 1
         self.drafted += len(draft.tokens)
@@ -78,6 +89,10 @@ class Stats:
         if draft.expected is not None:
             self.expected_tokens += draft.expected
             self.planned_passes += 1
+            self.modelled_s += draft.modelled_s or 0.0
+        strategy = draft.strategy or ("plain" if not draft.tokens else "tree" if draft.parents is not None
+                                      else "draft")
+        self.strategies[strategy] = self.strategies.get(strategy, 0) + 1
         grow = depth - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
@@ -90,7 +105,7 @@ class Stats:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
                  tokens_per_second=self.tokens_per_second, mean_tree_nodes=self.mean_tree_nodes,
-                 expected_tokens_per_pass=self.expected_tokens_per_pass)
+                 expected_tokens_per_pass=self.expected_tokens_per_pass, predicted_speedup=self.predicted_speedup)
         return d
 
 
@@ -175,35 +190,45 @@ class Engine:
 
     def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None):
         self.tokenizer = tokenizer
-        self.target = CachedLM(target_model)
-        self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        self.target = as_lm(target_model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
+        self.vocab_size = self.target.vocab_size
         self.draft_model = None
         if draft_model is not None:
             check_compatible(tokenizer, draft_tokenizer if draft_tokenizer is not None else tokenizer)
             self.draft_model = DraftModel(draft_model, self.vocab_size)
-        self.eos_ids = eos_token_ids(target_model, tokenizer)
+        self.eos_ids = self.target.eos_token_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
         self.progress = True
         # what the greedy tree drafter learned about acceptance, kept across generations (greedy output
         # does not depend on the tree's shape; a sampled tree starts afresh so that a seed reproduces)
         self.tree_state = TreeState()
+        self.auto_state: dict[bool, TreeState] = {}  # the same for the auto method (with/without the draft model)
 
     @classmethod
-    def load(cls, target: str | None = None, draft: str | None = None, *, dtype: str | None = None,
-             device: str | None = None, with_draft: bool = True, progress: bool = True) -> "Engine":
+    def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
+             dtype: str | None = None, device: str | None = None, with_draft: bool = True, progress: bool = True,
+             threads: int | None = None) -> "Engine":
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
-        Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft)."""
-        from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+        Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
+        backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
+        "torch" or "llama.cpp"."""
+        from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_lm
         if target is None:
             target = DEFAULT_TARGET
             draft = draft or DEFAULT_DRAFT
-        t_model, t_tok = load_model(target, dtype=dtype, device=device, progress=progress)
+        t_model, t_tok, t_backend = load_lm(target, backend, dtype=dtype, device=device, progress=progress,
+                                            threads=threads)
         d_model = d_tok = None
         if with_draft and draft:
-            d_model, d_tok = load_model(draft, dtype=dtype, device=device, progress=progress)
+            d_model, d_tok, _ = load_lm(draft, backend, dtype=dtype, device=device, progress=progress,
+                                        threads=threads)
         engine = cls(t_model, t_tok, d_model, d_tok)
         engine.progress = progress
         return engine
+
+    @property
+    def backend(self) -> str:
+        return self.target.backend
 
     def tree_costs(self):
         """The tree method's CostModel: pass costs measured once per machine and models (cached on disk)."""
@@ -248,7 +273,7 @@ class Engine:
             pass
         return stream.result
 
-    def stream(self, prompt: str | list[dict], *, method: str = "draft", gamma: int = 4,
+    def stream(self, prompt: str | list[dict], *, method: str = "auto", gamma: int = 4,
                max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
                tree_width: int | None = None, tree_depth: int | None = None,
@@ -256,17 +281,20 @@ class Engine:
         """An iterator of text deltas (never splitting a character or leaking a stop string);
         after it is exhausted, .result holds the Generation.
 
+        method="auto" (the default): each step the cost model measured for this backend on this
+        machine picks plain decoding, prompt lookup, a draft chain or a tree, whichever it expects to
+        give the most tokens per second (the draft model only where it could ever pay).
         method="tree": gamma is not used; tree_width (children per node and frontier nodes per
         depth), tree_depth and tree_nodes (nodes per target pass) fix the tree's shape where given,
         and the cost model picks the rest."""
         params = SamplingParams(temperature, top_k, top_p)
-        drafter = self._drafter(method, gamma, params, tree_width, tree_depth, tree_nodes)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecDecodeError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise SpecDecodeError("stop strings must be non-empty strings")
-        prompt_ids = self.encode(prompt, chat)
+        prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
+        drafter = self._drafter(method, gamma, params, tree_width, tree_depth, tree_nodes)
         # a stop string that is a special token never shows in the decoded text: stop on its id
         added = self.tokenizer.get_added_vocab()
         stop_ids = {added[s] for s in stops if s in added}
@@ -276,8 +304,12 @@ class Engine:
         else:
             generator.manual_seed(seed)
         stats = Stats(method=method, gamma=gamma if method in ("draft", "pld") else 0, prompt_tokens=len(prompt_ids))
-        if method == "tree":
+        if method in ("tree", "auto"):
             gamma = drafter.max_depth
+            stats.plain_step_s = self.costs.t(1)
+        if method == "auto":
+            stats.tree = {"draft_model": drafter.model is not None}
+        if method == "tree":
             stats.tree = {"width": drafter.width, "depth": drafter.max_depth, "nodes": drafter.max_nodes,
                           "chosen_by_cost_model": [k for k, v in (("width", tree_width), ("depth", tree_depth),
                                                                    ("nodes", tree_nodes)) if v is None]}
@@ -296,6 +328,11 @@ class Engine:
                 raise SpecDecodeError(f"{name} applies to method 'tree' only (method is {method!r})")
         if method == "autoregressive":
             return None
+        if method == "auto":
+            costs = self.tree_costs()
+            model = self.draft_model if self.draft_model is not None and draft_model_can_pay(costs) else None
+            state = self.auto_state.setdefault(model is not None, TreeState()) if params.greedy else TreeState()
+            return TreeDrafter(model, pld=True, costs=costs, state=state)
         if method == "tree":
             return TreeDrafter(self.draft_model, pld=True, width=width, depth=depth, nodes=nodes,
                                costs=self.tree_costs(), state=self.tree_state if params.greedy else TreeState())
@@ -379,15 +416,3 @@ def check_compatible(target_tok, draft_tok) -> None:
         diff = len(set(tv.items()) ^ set(dv.items()))
         raise SpecDecodeError(f"draft and target tokenizers differ ({len(dv)} vs {len(tv)} tokens, "
                               f"{diff} entries disagree); speculative decoding needs the same vocabulary")
-
-
-def eos_token_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for value in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
-                  tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids

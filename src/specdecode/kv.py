@@ -18,12 +18,32 @@ from .errors import SpecDecodeError
 
 
 class CachedLM:
+    """A Hugging Face causal LM with its KV cache (the torch backend). The LM interface the engine,
+    drafters, trees and cost model use, which llamacpp.LlamaLM implements too: forward, rollback,
+    reset, len(), ids, max_length, vocab_size, eos_token_ids, describe(), synchronize()."""
+
+    backend = "torch"
+
     def __init__(self, model):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_length = context_limit(model.config)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        self.eos_token_ids = model_eos_ids(model)
         self.reset()
+
+    def describe(self) -> str:
+        """What pass costs depend on: the model, dtype, device, torch build and threads."""
+        m = self.model
+        return "|".join([torch.__version__, str(torch.get_num_threads()), str(getattr(m.config, "_name_or_path", "")),
+                         type(m).__name__, str(m.num_parameters()), str(self.dtype), str(self.device),
+                         torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""])
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
@@ -138,6 +158,23 @@ class CachedLM:
 
     def _parent(self, i: int) -> int:
         return i - 1 if i < self.trunk else self.parent[i - self.trunk]
+
+
+def model_eos_ids(model) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def as_lm(model):
+    """A model with a KV cache behind the LM interface: LMs pass through, HF models get a CachedLM."""
+    return model if hasattr(model, "rollback") and hasattr(model, "forward") and hasattr(model, "vocab_size") \
+        and not hasattr(model, "parameters") else CachedLM(model)
 
 
 def _has_sliding_layers(config) -> bool:

@@ -49,6 +49,7 @@ BUILTIN = {
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+BACKENDS = ("auto", "torch", "llama.cpp")
 INSTALL_HINT = 'pip install -e ".[models]"  (or: pip install {reqs})'
 
 
@@ -70,6 +71,86 @@ def default_dtype(device: str) -> str:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def is_gguf(spec: str) -> bool:
+    return spec in BUILTIN or spec.endswith(".gguf")
+
+
+def resolve_backend(backend: str | None, spec: str, device: str | None = None) -> str:
+    """auto: a GGUF model on the CPU runs on llama.cpp (when llama-cpp-python is installed); Hugging
+    Face directories, hub ids and CUDA run on torch."""
+    from . import llamacpp
+    backend = backend or "auto"
+    if backend not in BACKENDS:
+        raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    on_cpu = (device or default_device()) == "cpu"
+    if backend == "llama.cpp":
+        if not is_gguf(spec):
+            raise SpecDecodeError(f"the llama.cpp backend runs GGUF files; {spec!r} is not one "
+                                  "(use --backend torch for Hugging Face models)")
+        if not on_cpu:
+            raise SpecDecodeError("the llama.cpp backend runs on the CPU here; use --backend torch for CUDA")
+        if not llamacpp.available():
+            llamacpp._lib()  # raises the install hint
+        return backend
+    if backend == "auto":
+        if is_gguf(spec) and on_cpu and llamacpp.available():
+            return "llama.cpp"
+        return "torch"
+    return backend
+
+
+def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, device: str | None = None,
+            progress: bool = True, threads: int | None = None):
+    """(model, tokenizer, backend): on torch an HF model; on llama.cpp a llamacpp.LlamaLM that reads
+    the GGUF file directly (no conversion), with the tokenizer read from the same file."""
+    backend = resolve_backend(backend, spec, device)
+    if backend == "torch":
+        if threads:
+            torch.set_num_threads(threads)
+        return (*load_model(spec, dtype=dtype, device=device, progress=progress), backend)
+    from .llamacpp import LlamaLM
+    if dtype is not None:
+        raise SpecDecodeError("--dtype applies to the torch backend; a GGUF file on llama.cpp runs in its own "
+                              "quantization types")
+    gguf = assemble(BUILTIN[spec], progress) if spec in BUILTIN else Path(spec).expanduser()
+    if not gguf.is_file():
+        raise SpecDecodeError(f"GGUF file not found: {gguf}")
+    tokenizer = gguf_tokenizer(gguf, progress)
+    lm = LlamaLM(gguf, threads=threads)
+    if spec in BUILTIN:  # the GGUF metadata carries one EOS; the chat models end documents with a second
+        lm.eos_token_ids |= set(BUILTIN[spec].eos_token_ids)
+    return lm, tokenizer, backend
+
+
+def gguf_tokenizer(gguf: Path, progress: bool = True):
+    """The Hugging Face tokenizer stored in a GGUF file (chat template included), extracted once and
+    cached, so that both backends tokenize, template and detokenize alike."""
+    from transformers import AutoTokenizer
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
+    if (out / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(out)
+        except Exception:
+            pass  # a damaged entry: extract again
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".extracting-"))
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except Exception as e:
+            raise SpecDecodeError(f"could not read the tokenizer of GGUF file {gguf}: {_first_line(e)}"
+                                  " (is the file complete and a GGUF model?)") from e
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def load_model(spec: str, dtype: str | None = None, device: str | None = None, progress: bool = True):

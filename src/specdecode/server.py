@@ -75,7 +75,7 @@ NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 class Speculation(BaseModel):
     """specdecode extension: how to speculate for this request (defaults: the server's)."""
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal["autoregressive", "draft", "pld", "tree"] | None = Field(
+    method: Literal["auto", "autoregressive", "draft", "pld", "tree"] | None = Field(
         None, description="autoregressive (no speculation), draft (draft model), pld (prompt lookup) or "
                           "tree (a token tree from the draft model and prompt lookup, shaped by a cost model)")
     gamma: int | None = Field(None, ge=1, le=MAX_GAMMA, description="draft tokens per target forward pass (chains)")
@@ -946,16 +946,16 @@ def serve(args) -> None:
     if args.api_key is not None and not args.api_key:
         raise SpecDecodeError("--api-key must not be empty")
     model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
-    engine = Engine.load(args.target, args.draft, dtype=args.dtype, device=args.device,
-                         with_draft=args.method in ("draft", "tree") or args.draft is not None)
-    if args.method == "tree":
+    engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+                         threads=args.threads, with_draft=args.method in ("draft", "tree", "auto") or args.draft is not None)
+    if args.method in ("tree", "auto"):
         engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout)
     if not _is_loopback(args.host) and api_key is None:
         sys.stderr.write(f"specdecode: warning: listening on {args.host} without an API key (--api-key)\n")
     sys.stderr.write(f"specdecode: serving {model_id!r} at http://{args.host}:{args.port}/v1 "
-                     f"(method {args.method}, gamma {args.gamma})\n")
+                     f"(method {args.method}, gamma {args.gamma}, backend {engine.backend})\n")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

@@ -32,6 +32,30 @@ from .sampling import SamplingParams, probs_from_logits, sample
 MAX_WIDTH, MAX_DEPTH, MAX_NODES = 4, 8, 32  # caps of an adaptive tree
 
 
+# The per-token acceptance the auto method grants a draft model before it has run it: about the best a
+# same-family draft reaches (the default pair accepts 0.9-0.95 of its greedy guesses on easy code).
+AUTO_ALPHA = 0.9
+AUTO_MARGIN = 1.05  # and it must then beat plain decoding by 5%, or the exploration cannot pay for itself
+
+
+def chain_speedup(costs: CostModel, alpha: float, max_depth: int = MAX_DEPTH) -> float:
+    """The best modelled speedup of a draft-model chain over plain decoding on these measured costs,
+    at per-token acceptance alpha: max over k of E[tokens] / (k draft passes + a (k+1)-token target
+    pass), in units of one plain step (Leviathan et al.'s Theorem 3.8 with the measured T(k+1))."""
+    best = 0.0
+    for k in range(1, max_depth + 1):
+        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        best = max(best, tokens * costs.t(1) / (k * costs.d(1) + costs.t(k + 1)))
+    return best
+
+
+def draft_model_can_pay(costs: CostModel, alpha: float = AUTO_ALPHA) -> bool:
+    """Whether the auto method should run the draft model at all on this machine. Where it cannot pay
+    (llama.cpp on 2 cores: a draft pass at ~0.5 and a 2-token pass at ~1.6 plain steps) it never runs
+    it, and decodes plainly or with free prompt-lookup guesses."""
+    return bool(costs.draft) and chain_speedup(costs, alpha) > AUTO_MARGIN
+
+
 @dataclass
 class _Node:
     token: int
@@ -239,8 +263,13 @@ class TreeDrafter:
                              for nd in self.kept])
         chain = all(p == i - 1 for i, p in enumerate(parents))
         # the estimate is only as good as the calibration, which a tree engine keeps learning
-        expected = 1.0 + sum(nd.value for nd in self.kept) if self.costs is not None else None
-        return Draft(tokens, q, None if chain else parents, expected)
+        expected = modelled = None
+        if self.costs is not None:
+            expected = 1.0 + sum(nd.value for nd in self.kept)
+            modelled = self.spent + self.costs.t(len(tokens) + 1)
+        strategy = ("plain" if not tokens else "lookup" if all(nd.conf is None for nd in self.kept)
+                    else "draft" if chain else "tree")
+        return Draft(tokens, q, None if chain else parents, expected, modelled, strategy)
 
     def _d(self, k: int) -> float:
         return self.costs.d(k) if self.costs is not None else 0.0

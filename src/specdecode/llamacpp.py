@@ -1,0 +1,305 @@
+"""A GGUF model on llama.cpp's CPU kernels, with its KV cache: the same LM interface as kv.CachedLM.
+
+It drives llama.cpp through llama-cpp-python's low-level C API (`llama_batch`, `llama_decode`,
+`llama_get_logits`, `llama_memory_seq_cp/seq_rm`), never its high-level generation.
+
+Token trees live in llama.cpp's multi-sequence KV cache (one unified buffer). A query token sees
+every cell that holds its FIRST sequence id, at a position <= its own. So:
+- the trunk (committed text) is sequence 0, cell i at position i;
+- every tree node gets a sequence id of its own, at position = its depth below the trunk. Before
+  the pass, the node's id is copied onto the path it hangs from (`seq_cp` of the nearest ancestor
+  already cached, over positions up to that ancestor's); in the pass, every ancestor fed in the
+  same batch carries the ids of its descendants as extra ids. A node thus sees exactly the trunk,
+  its ancestors and itself: the same attention as CachedLM's tree mask.
+- `rollback(length, path)` keeps a prefix and the accepted branch: `seq_cp` of the branch's last
+  node into sequence 0 (over the branch's positions), then `seq_rm` of every tree id. No
+  recomputation and no copying of keys or values.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import SpecDecodeError
+
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree pass holds at most 255 nodes
+N_BATCH = 512  # tokens per llama_decode call (a longer causal feed is split)
+MAX_CTX = 32768  # default context cap (KV memory grows with it; attention cost does not)
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+               11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+               17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception:  # ImportError, or OSError from a library built for another CPU
+        return False
+    return True
+
+
+_initialised = False
+
+
+def _lib():
+    """llama_cpp's C bindings, initialised once, with llama.cpp's log silenced (errors we raise)."""
+    global _initialised
+    try:
+        import llama_cpp as lc
+    except ImportError as e:
+        raise SpecDecodeError("the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
+                              f"(builds from source, about 5 minutes) ({e})") from None
+    if not _initialised:
+        lc.llama_backend_init()
+        lc.llama_log_set(_SILENT, ctypes.c_void_p(0))
+        _initialised = True
+    return lc
+
+
+def _silent_log(level, text, user_data):
+    if os.environ.get("SPECDECODE_LLAMA_LOG"):
+        os.write(2, text or b"")
+
+
+try:
+    import llama_cpp as _lc
+    _SILENT = _lc.llama_log_callback(_silent_log)
+except Exception:
+    _SILENT = None
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class LlamaLM:
+    """A GGUF model in a llama.cpp context. forward/rollback/reset behave like CachedLM's."""
+
+    backend = "llama.cpp"
+
+    def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None):
+        lc = self._lc = _lib()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SpecDecodeError(f"GGUF file not found: {self.path}")
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise SpecDecodeError(f"llama.cpp could not load {self.path} (is the file complete and a GGUF model "
+                                  "of an architecture this llama.cpp knows?)")
+        self._ctx = None
+        self._vocab = lc.llama_model_get_vocab(self._model)
+        self.vocab_size = int(lc.llama_vocab_n_tokens(self._vocab))
+        self.threads = threads or default_threads()
+        train = int(lc.llama_model_n_ctx_train(self._model))
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx or min(train, MAX_CTX)
+        cparams.n_batch = cparams.n_ubatch = N_BATCH
+        cparams.n_seq_max = MAX_SEQ
+        cparams.kv_unified = True  # one KV buffer that all sequences share: a tree shares its trunk
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.no_perf = True
+        self._ctx = lc.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise SpecDecodeError(f"llama.cpp could not create a context for {self.path} (n_ctx={cparams.n_ctx}; "
+                                  "out of memory?)")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self._batch = lc.llama_batch_init(N_BATCH, 0, MAX_SEQ)
+        self.max_length = int(lc.llama_n_ctx(self._ctx))
+        self.device = torch.device("cpu")
+        self.dtype = _FILE_TYPES.get(int(self.meta("general.file_type") or -1), "gguf")
+        self.name = self.meta("general.name") or self.path.stem
+        self.eos_token_ids = {t for t in (lc.llama_vocab_eos(self._vocab), lc.llama_vocab_eot(self._vocab)) if t >= 0}
+        self.n_params = int(lc.llama_model_n_params(self._model))
+        self.reset()
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = self._lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def describe(self) -> str:
+        """What pass costs depend on: the file, the llama.cpp build, the threads."""
+        st = self.path.stat()
+        return "|".join(["llama.cpp", getattr(self._lc, "__version__", "?"), str(self.path.resolve()), str(st.st_size),
+                         str(st.st_mtime_ns), self.dtype, str(self.threads)])
+
+    def synchronize(self) -> None:
+        self._lc.llama_synchronize(self._ctx)
+
+    def __del__(self):
+        lc = getattr(self, "_lc", None)
+        if lc is None:
+            return
+        if getattr(self, "_batch", None) is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def reset(self) -> None:
+        self._lc.llama_memory_clear(self._mem, False)  # metadata only: no memset of the buffers
+        self.ids: list[int] = []  # token ids whose keys/values are cached, in cache order
+        self.trunk = 0  # entries [0, trunk) are committed text: sequence 0, entry i at position i
+        self.parent: list[int] = []  # for tree entries (index >= trunk): cache index of the parent
+        self.pos: list[int] = []  # for tree entries: position (trunk length + depth - 1)
+        self.seq: list[int] = []  # for tree entries: the entry's own sequence id
+        self._free = list(range(MAX_SEQ - 1, 0, -1))  # unused sequence ids (pop from the end)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _position(self, i: int) -> int:
+        return i if i < self.trunk else self.pos[i - self.trunk]
+
+    def _seq_of(self, i: int) -> int:
+        return 0 if i < self.trunk else self.seq[i - self.trunk]
+
+    def _parent(self, i: int) -> int:
+        return i - 1 if i < self.trunk else self.parent[i - self.trunk]
+
+    @torch.inference_mode()
+    def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
+        """Append new_ids; return float32 logits [len(new_ids), V] (or [1, V] if last_only).
+        parents: as in CachedLM.forward (cache indices after the append; None = a causal chain)."""
+        n = len(new_ids)
+        if not n:
+            raise ValueError("forward needs at least one token")
+        start = len(self.ids)
+        if start + n > self.max_length:
+            raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens > n_ctx {self.max_length}")
+        bad = [t for t in new_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {self.vocab_size}")
+        chain = list(range(start - 1, start - 1 + n))
+        parents = chain if parents is None else list(parents)
+        if len(parents) != n:
+            raise ValueError(f"{n} tokens but {len(parents)} parents")
+        # leading tokens that continue the trunk and that every later token descends from join the trunk
+        j = 0
+        while (self.trunk + j == start + j < start + n and parents[j] == start + j - 1
+               and all(par >= start + j for par in parents[j + 1:])):
+            j += 1
+        if j == n:  # a causal chain: split into batches of N_BATCH
+            out = []
+            for a in range(0, n, N_BATCH):
+                chunk = new_ids[a:a + N_BATCH]
+                last = a + len(chunk) == n
+                rows = self._decode([(t, start + a + k, [0], not last_only or (last and k == len(chunk) - 1))
+                                     for k, t in enumerate(chunk)])
+                if rows is not None:
+                    out.append(rows)
+                self.ids.extend(chunk)
+                self.trunk = len(self.ids)
+            return torch.from_numpy(np.concatenate(out))
+        return self._tree_pass(new_ids, parents, j, last_only)
+
+    def _tree_pass(self, new_ids, parents, n_trunk, last_only) -> torch.Tensor:
+        lc, start, n = self._lc, len(self.ids), len(new_ids)
+        if n > N_BATCH:
+            raise SpecDecodeError(f"a tree pass of {n} tokens exceeds llama.cpp's batch of {N_BATCH}")
+        if n - n_trunk > len(self._free):
+            raise SpecDecodeError(f"the llama.cpp backend holds at most {MAX_SEQ - 1} tree nodes in its cache "
+                                  f"({n - n_trunk} more were fed with {len(self.ids) - self.trunk} cached)")
+        trunk_after = self.trunk + n_trunk
+        seqs = [[0] for _ in range(n_trunk)]  # the batch's sequence ids per token (own id first)
+        pos = list(range(start, start + n_trunk))
+        new_parent, new_seq = [], []
+        for b in range(n_trunk, n):
+            par = parents[b]
+            if not -1 <= par < start + b:
+                raise ValueError(f"token {b} of a tree pass has parent {par}; a parent must come before it")
+            if par < trunk_after and par != trunk_after - 1:
+                raise ValueError(f"token {b} of a tree pass hangs off entry {par}, inside the committed text; "
+                                 f"a tree hangs off its last entry ({trunk_after - 1})")
+            sid = self._free.pop()
+            seqs.append([sid])
+            new_parent.append(par)
+            new_seq.append(sid)
+            pos.append(0 if par < 0 else (pos[par - start] if par >= start else self._position(par)) + 1)
+            a = par  # in-batch ancestors carry this node's id; the nearest cached one lends its path
+            while a >= start:
+                seqs[a - start].append(sid)
+                a = parents[a - start]
+            if a >= 0:
+                src = self._seq_of(a)
+                lc.llama_memory_seq_cp(self._mem, src, sid, -1, -1 if src == 0 else self._position(a) + 1)
+        rows = self._decode([(new_ids[b], pos[b], seqs[b], not last_only or b == n - 1) for b in range(n)])
+        self.ids.extend(new_ids)
+        self.trunk = trunk_after
+        self.parent.extend(new_parent)
+        self.pos.extend(pos[n_trunk:])
+        self.seq.extend(new_seq)
+        return torch.from_numpy(rows)
+
+    def _decode(self, tokens: list[tuple[int, int, list[int], bool]]) -> np.ndarray | None:
+        """One llama_decode over (token, position, sequence ids, wants logits); logits rows in order."""
+        lc, batch = self._lc, self._batch
+        n_out = 0
+        for i, (tok, p, seqs, want) in enumerate(tokens):
+            batch.token[i] = tok
+            batch.pos[i] = p
+            batch.n_seq_id[i] = len(seqs)
+            for k, s in enumerate(seqs):
+                batch.seq_id[i][k] = s
+            batch.logits[i] = want
+            n_out += want
+        batch.n_tokens = len(tokens)
+        rc = lc.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens, "
+                                  f"{len(self.ids)} cached, n_ctx {self.max_length})")
+        if not n_out:
+            return None
+        ptr = lc.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy()
+
+    def rollback(self, length: int, path: list[int] = ()) -> None:
+        """Keep the first `length` cached entries, then the entries at `path` (an accepted tree branch
+        hanging off entry length-1). Everything else is forgotten."""
+        lc, path = self._lc, list(path)
+        if not 0 <= length <= len(self.ids):
+            raise ValueError(f"cannot roll back to {length}: {len(self.ids)} tokens cached")
+        if length > self.trunk and path:  # the kept prefix runs into the tree: it is part of the branch
+            path, length = list(range(self.trunk, length)) + path, self.trunk
+        prev = length - 1
+        for i in path:
+            if not (length <= i < len(self.ids)) or self._parent(i) != prev:
+                raise ValueError(f"cache entries {path} are not a branch hanging off entry {length - 1}")
+            prev = i
+        keep = list(range(length)) + path
+        m = 0  # the kept trunk entries form a prefix of the trunk
+        while m < len(keep) and keep[m] == m and m < self.trunk:
+            m += 1
+        branch = keep[m:]
+        if not path and length > self.trunk:  # rolled back inside the tree: keep those nodes as they are
+            for sid in self.seq[length - self.trunk:]:
+                lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+                self._free.append(sid)
+            k = length - self.trunk
+            self.ids, self.parent, self.pos, self.seq = self.ids[:length], self.parent[:k], self.pos[:k], self.seq[:k]
+            return
+        if branch:  # the accepted branch joins sequence 0 at the positions it was computed at
+            last = branch[-1]
+            lc.llama_memory_seq_cp(self._mem, self._seq_of(last), 0, self.trunk, self._position(last) + 1)
+        for sid in self.seq:
+            lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+            self._free.append(sid)
+        new_len = m + len(branch)
+        if not lc.llama_memory_seq_rm(self._mem, 0, new_len, -1):
+            raise SpecDecodeError("llama.cpp could not roll back this model's cache (recurrent state?)")
+        self.ids = self.ids[:m] + [self.ids[i] for i in branch]
+        self.trunk = new_len
+        self.parent, self.pos, self.seq = [], [], []
