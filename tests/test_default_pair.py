@@ -1,8 +1,11 @@
-"""Smoke test on the real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), greedy, 32 tokens.
+"""Smoke test on the real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), greedy, 32 tokens,
+on both backends: llama.cpp (the default: the GGUF files as they are) and torch (bf16).
 
-The first run on a machine assembles and converts both models (a few minutes); later runs load the
-cache. Exact greedy equality can only break where reduced precision makes two logits (near-)tie:
-the test then shows that the first divergence sits at such a tie in the plain run and says so.
+The first run on a machine assembles both models and converts them for torch (a few minutes); later
+runs load the cache. Exact greedy equality can only break where reduced precision makes two logits
+(near-)tie: the test then shows that the first divergence sits at such a tie in the plain run and
+says so. On llama.cpp a pass over 4+ tokens may use other matmul kernels than a 1-token pass
+(quantized dot products in another order), which moves logits by up to ~0.5 on this model.
 """
 import os
 
@@ -15,23 +18,30 @@ USER_CACHE = str(cache_dir())  # read before the per-test cache isolation of con
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["llama.cpp", "torch"])
+def engine(request):
     from conftest import DEFAULT_THREADS
     from specdecode import Engine
+    from specdecode.llamacpp import available
+    if request.param == "llama.cpp" and not available():
+        pytest.skip("llama-cpp-python is not installed (CI installs it)")
     os.environ["SPECDECODE_CACHE"] = USER_CACHE
     torch.set_num_threads(DEFAULT_THREADS)
-    yield Engine.load(progress=False)
+    engine = Engine.load(progress=False, backend=request.param)
+    assert engine.backend == request.param
+    yield engine
     torch.set_num_threads(1)
 
 
-def test_draft_equals_autoregressive_on_default_pair(engine, monkeypatch):
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_speculation_equals_autoregressive_on_default_pair(engine, method):
     plain = engine.generate(PROMPT, method="autoregressive", max_new_tokens=32)
-    spec = engine.generate(PROMPT, method="draft", gamma=4, max_new_tokens=32)
+    spec = engine.generate(PROMPT, method=method, gamma=4, max_new_tokens=32)
     s = spec.stats
     assert s.new_tokens == len(spec.token_ids) and s.accepted <= s.drafted and s.target_forwards > 0
     assert plain.stats.new_tokens == len(plain.token_ids) == 32
-    assert s.accepted > 0, "the 0.5B draft should agree with the 1.5B target on some of 32 code tokens"
+    if method == "draft":
+        assert s.accepted > 0, "the 0.5B draft should agree with the 1.5B target on some of 32 code tokens"
     if spec.token_ids == plain.token_ids:
         return
     # Divergence: allowed only at a near-tie of the plain run's top-2 logits at that position.
@@ -41,8 +51,8 @@ def test_draft_equals_autoregressive_on_default_pair(engine, monkeypatch):
     logits = engine.target.forward(prompt_ids + plain.token_ids[:i])[-1]
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
-    dtype = next(engine.target.model.parameters()).dtype
-    tol = 0.25 if dtype in (torch.bfloat16, torch.float16) else 1e-3
+    dtype = engine.target.dtype
+    tol = 0.5 if engine.backend == "llama.cpp" else 0.25 if dtype in (torch.bfloat16, torch.float16) else 1e-3
     print(f"greedy outputs diverge at token {i}: plain top-2 logit gap {gap:.4f} ({dtype}), a near-tie")
     assert gap <= tol, f"divergence at token {i} with a top-2 gap of {gap:.4f} > {tol}: not a numerics tie"
     assert spec.token_ids[i] == int(logits.topk(2).indices[1]), "the speculative run took the runner-up"

@@ -605,7 +605,7 @@ def test_openapi_document_is_precise():
     req = comp["CompletionRequest"]["properties"]
     assert req["max_tokens"]["anyOf"][0]["maximum"] == 8 and req["max_tokens"]["anyOf"][0]["minimum"] == 1
     assert req["n"]["anyOf"][0]["maximum"] == 1
-    assert set(comp["Speculation"]["properties"]["method"]["anyOf"][0]["enum"]) == {"autoregressive", "draft", "pld", "tree"}
+    assert set(comp["Speculation"]["properties"]["method"]["anyOf"][0]["enum"]) == {"auto", "autoregressive", "draft", "pld", "tree"}
     assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in comp
     assert set(doc["paths"]["/v1/chat/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "503"}
 

@@ -177,6 +177,8 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
                                  if engine.draft_model else None,
                                  threads=getattr(engine.target, "threads", torch.get_num_threads()),
                                  torch_threads=torch.get_num_threads(), tree=tree, cpu=cpu_description(),
+                                 draft_quant=getattr(engine.draft_model.lm, "quant_info", None)
+                                 if engine.draft_model else None,
                                  pass_costs=costs.as_dict()))
 
 
@@ -310,7 +312,10 @@ def report(results: dict) -> str:
     cfg = results["config"]
     lines = [f"# specdecode bench\n",
              f"{cfg['prompts']} prompts, max_new_tokens={cfg['max_new_tokens']}, gamma={cfg['gamma']}, "
-             f"temperature={cfg['temperature']}, {cfg['device']} {cfg['dtype']}, {cfg['torch_threads']} threads\n",
+             f"temperature={cfg['temperature']}, {cfg.get('backend', 'torch')} backend on {cfg['device']}: target "
+             f"{cfg.get('target', '?')} ({cfg['dtype']}), draft {cfg.get('draft') or '–'} ({cfg.get('draft_dtype') or '–'}), "
+             f"{cfg.get('threads', cfg['torch_threads'])} threads\n",
+             f"CPU: {cfg.get('cpu', 'n/a')}\n",
              "| method | tok/s | speedup vs autoregressive | tokens per target pass (τ) | acceptance rate | α | "
              "draft cost c | verify cost v | Leviathan bound | efficiency | bound with measured v | greedy agreement |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -326,6 +331,30 @@ def report(results: dict) -> str:
         for m, r in results["methods"].items():
             bc = r.get("by_category", {})
             lines.append(f"| {m} | " + " | ".join(_f(bc.get(c, {}).get("speedup"), "{:.2f}x") for c in cats) + " |")
+    costs = cfg.get("pass_costs") or {}
+    if costs.get("target"):
+        ks = list(costs["target"])
+        lines += ["\n## Pass costs on this machine (the cost model)\n",
+                  f"One target pass over k new tokens after 128 cached, relative to a 1-token pass of "
+                  f"{costs['target_s_1'] * 1000:.1f} ms; one draft pass over k tokens in the same unit.\n",
+                  "| k | " + " | ".join(str(k) for k in ks) + " |", "|---" * (len(ks) + 1) + "|",
+                  "| target T(k)/T(1) | " + " | ".join(f"{costs['target'][k]:.2f}" for k in ks) + " |"]
+        if costs.get("draft"):
+            lines.append("| draft d(k)/T(1) | " + " | ".join(_f(costs["draft"].get(k)) for k in ks) + " |")
+        dq = cfg.get("draft_quant") or {}
+        if dq.get("one_token_s"):
+            lines.append("\nDraft requantized for speed (the draft never changes the output): one-token draft pass, "
+                         "as a share of a target pass (c): " + ", ".join(
+                             f"{n} ({dq['file_type'].get(n, n)}) {s / costs['target_s_1']:.2f}" + (" ← chosen" if n == dq["chosen"] else "")
+                             for n, s in dq["one_token_s"].items()))
+    auto = results["methods"].get("auto")
+    if auto and auto.get("strategies"):
+        lines += ["\n## auto\n", "| steps by strategy | expected tokens per pass | realised (τ) | "
+                  "predicted speedup (cost model) | realised speedup | realised / predicted |", "|---|---|---|---|---|---|",
+                  f"| {', '.join(f'{k} {v}' for k, v in auto['strategies'].items())} | "
+                  f"{_f(auto.get('expected_tokens_per_pass'))} | {_f(auto['mean_accepted_tokens'])} | "
+                  f"{_f(auto.get('predicted_speedup'), '{:.2f}x')} | {_f(auto['speedup'], '{:.2f}x')} | "
+                  f"{_f(auto['speedup'] / auto['predicted_speedup'] if auto['speedup'] and auto.get('predicted_speedup') else None, '{:.0%}')} |"]
     tree = results["methods"].get("tree")
     if tree and tree.get("nodes_per_pass") is not None:
         costs = cfg.get("pass_costs") or {}

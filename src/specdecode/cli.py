@@ -86,6 +86,9 @@ def _backend_args(parser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto (default): GGUF models on the CPU run on llama.cpp, the rest on torch")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
+    parser.add_argument("--draft-quant", choices=["auto", "none", "Q4_0", "Q8_0"], default="auto",
+                        help="llama.cpp: run the draft in its fastest type here (auto, measured once), keep the "
+                             "file's (none) or force one; the draft never changes the output")
 
 
 def _tree_args(parser) -> None:
@@ -118,7 +121,7 @@ def bench(args) -> None:
     if tree and methods is not None and "tree" not in methods:
         raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to method tree, which is not benchmarked")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads,
+                         threads=args.threads, draft_quant=args.draft_quant,
                          with_draft=methods is None or bool({"draft", "hf-assisted", "tree", "auto"} & set(methods)))
     if methods is None:
         methods = default_methods(engine)
@@ -151,7 +154,8 @@ def generate(args) -> None:
         raise SpecDecodeError("the prompt is empty")
     check_args(args)
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, with_draft=args.method in ("draft", "tree", "auto"), progress=not args.json)
+                         threads=args.threads, with_draft=args.method in ("draft", "tree", "auto"), progress=not args.json,
+                         draft_quant=args.draft_quant)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop=args.stop, chat=args.chat, **_tree_kwargs(args))
@@ -171,11 +175,11 @@ def generate(args) -> None:
         if s.method == "auto" else (
         f"nodes/pass {s.mean_tree_nodes or 0:.1f}, depth/pass {s.tree_depth / max(1, s.target_forwards):.1f}, "
         f"expected tokens/pass {s.expected_tokens_per_pass or 0:.2f}")
-    sys.stderr.write(f"[{s.method} on {engine.backend}, {shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+    sys.stderr.write(f"[{s.method} {shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
                      f"({s.tokens_per_second or 0:.2f} tok/s) | target forwards {s.target_forwards} | "
                      f"accepted {s.accepted}/{s.drafted} ({rate}) | "
                      f"tokens per target forward {s.mean_accepted_tokens or 0:.2f} | "
-                     f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s | finish: {s.finish_reason}\n")
+                     f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s | finish: {s.finish_reason} | backend {engine.backend}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,7 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.last_ngram = 0  # the length of the n-gram the last proposal matched (0: none)
 
     def reset(self) -> None:
         pass
@@ -96,7 +97,9 @@ class PromptLookup:
                 start = int(hits[-1]) + n
                 tokens = arr[start:start + gamma].tolist()
                 if tokens:
+                    self.last_ngram = n
                     return Draft(tokens, None, strategy="lookup")
+        self.last_ngram = 0
         return Draft([], None)
 
     def commit(self, length: int, path: list[int], bonus: int) -> None:

@@ -207,11 +207,13 @@ class Engine:
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
              dtype: str | None = None, device: str | None = None, with_draft: bool = True, progress: bool = True,
-             threads: int | None = None) -> "Engine":
+             threads: int | None = None, draft_quant: str = "auto") -> "Engine":
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
-        "torch" or "llama.cpp"."""
+        "torch" or "llama.cpp". draft_quant (llama.cpp): "auto" runs the draft in whichever of its
+        file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output),
+        "none" keeps the file, "Q4_0"/"Q8_0" force one."""
         from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_lm
         if target is None:
             target = DEFAULT_TARGET
@@ -220,8 +222,8 @@ class Engine:
                                             threads=threads)
         d_model = d_tok = None
         if with_draft and draft:
-            d_model, d_tok, _ = load_lm(draft, backend, dtype=dtype, device=device, progress=progress,
-                                        threads=threads)
+            d_model, d_tok, d_backend = load_lm(draft, backend, dtype=dtype, device=device, progress=progress,
+                                                threads=threads, quant=draft_quant if backend != "torch" else None)
         engine = cls(t_model, t_tok, d_model, d_tok)
         engine.progress = progress
         return engine

@@ -101,10 +101,17 @@ def resolve_backend(backend: str | None, spec: str, device: str | None = None) -
     return backend
 
 
+DRAFT_QUANT_CHOICES = ("auto", "none", "Q4_0", "Q8_0")
+
+
 def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, device: str | None = None,
-            progress: bool = True, threads: int | None = None):
+            progress: bool = True, threads: int | None = None, quant: str | None = None):
     """(model, tokenizer, backend): on torch an HF model; on llama.cpp a llamacpp.LlamaLM that reads
-    the GGUF file directly (no conversion), with the tokenizer read from the same file."""
+    the GGUF file directly (no conversion), with the tokenizer read from the same file.
+    quant (llama.cpp only, for a draft model): "auto" runs whichever of the file and its Q4_0/Q8_0
+    requantizations is fastest here (measured once, cached); "Q4_0"/"Q8_0" force one; None/"none" keep the file."""
+    if quant is not None and quant not in DRAFT_QUANT_CHOICES:
+        raise SpecDecodeError(f"unknown draft quantization {quant!r}; choose one of {', '.join(DRAFT_QUANT_CHOICES)}")
     backend = resolve_backend(backend, spec, device)
     if backend == "torch":
         if threads:
@@ -118,7 +125,15 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
     if not gguf.is_file():
         raise SpecDecodeError(f"GGUF file not found: {gguf}")
     tokenizer = gguf_tokenizer(gguf, progress)
+    info = None
+    if quant == "auto":
+        from .llamacpp import fastest_draft
+        gguf, info = fastest_draft(gguf, threads, progress)
+    elif quant not in (None, "none"):
+        from .llamacpp import requantize
+        gguf, info = requantize(gguf, quant, threads), {"chosen": quant}
     lm = LlamaLM(gguf, threads=threads)
+    lm.quant_info = info
     if spec in BUILTIN:  # the GGUF metadata carries one EOS; the chat models end documents with a second
         lm.eos_token_ids |= set(BUILTIN[spec].eos_token_ids)
     return lm, tokenizer, backend

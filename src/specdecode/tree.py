@@ -30,6 +30,12 @@ from .drafters import Draft, PromptLookup
 from .sampling import SamplingParams, probs_from_logits, sample
 
 MAX_WIDTH, MAX_DEPTH, MAX_NODES = 4, 8, 32  # caps of an adaptive tree
+LOOKUP_NGRAMS = 3  # prompt lookup matches the last 3, 2 or 1 tokens (PromptLookup's default)
+
+
+def _lookup_feature(ngram: int, depth: int) -> float:
+    """The calibration feature in [0, 1) of a prompt-lookup node: its bin is (n-gram length, depth)."""
+    return ((min(ngram, LOOKUP_NGRAMS) - 1) * MAX_DEPTH + min(depth, MAX_DEPTH) - 1 + 0.5) / (LOOKUP_NGRAMS * MAX_DEPTH)
 
 
 # The per-token acceptance the auto method grants a draft model before it has run it: about the best a
@@ -66,6 +72,7 @@ class _Node:
     rank: int = 0  # among its siblings from the draft model: 0 = the draft's first choice
     q: torch.Tensor | None = None  # [V] the distribution it was drawn from; None = one-hot
     cache: int | None = None  # index in the draft model's cache once it went through a draft pass
+    lookup: float | None = None  # a prompt-lookup node's calibration feature (n-gram length, depth)
 
 
 class TreeState:
@@ -74,7 +81,9 @@ class TreeState:
     def __init__(self):
         # draft confidence -> P(accept | parent accepted), for the draft's first choice and for the others
         self.draft = (Calibration(), Calibration())
-        self.lookup = Calibration(bins=MAX_DEPTH, prior=lambda x: 0.5)  # by depth for prompt-lookup nodes
+        # prompt-lookup nodes: by the length of the n-gram that matched (1-3) and the depth; a 3-gram match
+        # is a far better guess than a 1-gram one
+        self.lookup = Calibration(bins=LOOKUP_NGRAMS * MAX_DEPTH, prior=lambda x: 0.5)
         self.rho = 0.6  # P(some child accepted | an expanded node accepted): the gain of expanding
         self.rate = None  # moving average of modelled tokens per second while speculating
         self.steps = 0
@@ -226,11 +235,13 @@ class TreeDrafter:
 
     def _add_lookup(self, ids: list[int], max_depth: int, greedy: bool) -> None:
         tokens = self.lookup.propose(ids, max_depth).tokens
+        ngram = self.lookup.last_ngram
         parent = -1
         for depth, x in enumerate(tokens, 1):
             if not greedy and len(self.nodes) >= self.max_nodes:  # (a greedy tree is cut to size later)
                 break
-            value = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup((depth - 1) / MAX_DEPTH)
+            feature = _lookup_feature(ngram, depth)
+            value = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup(feature)
             # one-hot, so droppable; but a sampled tree is not cut later, so decide now
             if not greedy and self.adaptive and not self._pays(1.0 + sum(nd.value for nd in self.nodes),
                                                               len(self.nodes), value):
@@ -239,7 +250,7 @@ class TreeDrafter:
             if same:
                 parent = same[0]
                 continue
-            parent = self._add(_Node(x, parent, depth, value, None))
+            parent = self._add(_Node(x, parent, depth, value, None, lookup=feature))
 
     def _select(self, params: SamplingParams) -> list[int]:
         if not params.greedy:
@@ -303,7 +314,7 @@ class TreeDrafter:
                 continue
             hit[i] = nd.token == emitted[nd.depth - 1]
             if nd.conf is None:
-                st.lookup.update((nd.depth - 1) / MAX_DEPTH, hit[i])
+                st.lookup.update(nd.lookup, hit[i])
             else:
                 st.draft[min(nd.rank, 1)].update(nd.conf, hit[i])
         for i, nd in enumerate(nodes):  # did expanding an accepted node pay?
