@@ -163,7 +163,6 @@ def speculative_decode(target: CachedLM, drafter, prompt_ids: list[int], *, gamm
             drafter.commit(len(ids), path, bonus)
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
-        stats.record(draft, len(path))
 
         new = [draft.tokens[i] for i in path] + [bonus]
         for i, tok in enumerate(new):
@@ -171,6 +170,7 @@ def speculative_decode(target: CachedLM, drafter, prompt_ids: list[int], *, gamm
                 new = new[:i + 1]
                 stats.finish_reason = "eos"
                 break
+        stats.record(draft, min(len(path), len(new)))  # accepted draft tokens that are emitted (none past EOS)
         ids += new
         emitted += len(new)
         stats.new_tokens = emitted

@@ -104,7 +104,9 @@ class LlamaLM:
         self.threads = threads or default_threads()
         train = int(lc.llama_model_n_ctx_train(self._model))
         cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx or min(train, MAX_CTX)
+        limit = n_ctx or min(train, MAX_CTX)
+        # room for a full tree of drafted tokens beyond the last position the text may reach
+        cparams.n_ctx = limit + MAX_SEQ
         cparams.n_batch = cparams.n_ubatch = N_BATCH
         cparams.n_seq_max = MAX_SEQ
         cparams.kv_unified = True  # one KV buffer that all sequences share: a tree shares its trunk
@@ -115,8 +117,9 @@ class LlamaLM:
             raise SpecDecodeError(f"llama.cpp could not create a context for {self.path} (n_ctx={cparams.n_ctx}; "
                                   "out of memory?)")
         self._mem = lc.llama_get_memory(self._ctx)
+        self._cells = int(lc.llama_n_ctx(self._ctx))
         self._batch = lc.llama_batch_init(N_BATCH, 0, MAX_SEQ)
-        self.max_length = int(lc.llama_n_ctx(self._ctx))
+        self.max_length = min(limit, int(lc.llama_n_ctx(self._ctx)))  # positions of text: 0 .. max_length-1
         self.device = torch.device("cpu")
         self.dtype = _FILE_TYPES.get(int(self.meta("general.file_type") or -1), "gguf")
         self.name = self.meta("general.name") or self.path.stem
@@ -181,8 +184,8 @@ class LlamaLM:
         if not n:
             raise ValueError("forward needs at least one token")
         start = len(self.ids)
-        if start + n > self.max_length:
-            raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens > n_ctx {self.max_length}")
+        if start + n > self._cells:
+            raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens > {self._cells} cache cells")
         bad = [t for t in new_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {self.vocab_size}")
@@ -217,16 +220,18 @@ class LlamaLM:
             raise SpecDecodeError(f"the llama.cpp backend holds at most {MAX_SEQ - 1} tree nodes in its cache "
                                   f"({n - n_trunk} more were fed with {len(self.ids) - self.trunk} cached)")
         trunk_after = self.trunk + n_trunk
-        seqs = [[0] for _ in range(n_trunk)]  # the batch's sequence ids per token (own id first)
-        pos = list(range(start, start + n_trunk))
-        new_parent, new_seq = [], []
-        for b in range(n_trunk, n):
+        for b in range(n_trunk, n):  # all checks before any sequence id is taken
             par = parents[b]
             if not -1 <= par < start + b:
                 raise ValueError(f"token {b} of a tree pass has parent {par}; a parent must come before it")
             if par < trunk_after and par != trunk_after - 1:
                 raise ValueError(f"token {b} of a tree pass hangs off entry {par}, inside the committed text; "
                                  f"a tree hangs off its last entry ({trunk_after - 1})")
+        seqs = [[0] for _ in range(n_trunk)]  # the batch's sequence ids per token (own id first)
+        pos = list(range(start, start + n_trunk))
+        new_parent, new_seq = [], []
+        for b in range(n_trunk, n):
+            par = parents[b]
             sid = self._free.pop()
             seqs.append([sid])
             new_parent.append(par)
@@ -239,7 +244,14 @@ class LlamaLM:
             if a >= 0:
                 src = self._seq_of(a)
                 lc.llama_memory_seq_cp(self._mem, src, sid, -1, -1 if src == 0 else self._position(a) + 1)
-        rows = self._decode([(new_ids[b], pos[b], seqs[b], not last_only or b == n - 1) for b in range(n)])
+        try:
+            rows = self._decode([(new_ids[b], pos[b], seqs[b], not last_only or b == n - 1) for b in range(n)])
+        except BaseException:  # give the ids back, and drop whatever the failed pass left in the cache
+            for sid in new_seq:
+                lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+                self._free.append(sid)
+            lc.llama_memory_seq_rm(self._mem, 0, start, -1)
+            raise
         self.ids.extend(new_ids)
         self.trunk = trunk_after
         self.parent.extend(new_parent)
