@@ -78,7 +78,49 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "more get 503 with Retry-After (default 16)")
     s.add_argument("--timeout", type=float, default=300.0, help="longest a request may take, in seconds "
                                                                 "(default 300)")
+    c = sub.add_parser("certify", help="certify on your own model pair and machine that speculation here is lossless "
+                                        "(KV rollback, the verifier on real p/q rows, greedy agreement)")
+    c.add_argument("--target", default=None, help="as for generate (default: the default pair)")
+    c.add_argument("--draft", default=None, help="as for generate")
+    c.add_argument("--methods", default="draft,pld,tree,auto", help="comma-separated methods to check against "
+                                                                   "plain decoding (default: draft,pld,tree,auto)")
+    c.add_argument("--draws", type=int, default=10 ** 6, help="verifier draws per prompt and setting (default 10^6)")
+    c.add_argument("--max-new-tokens", type=int, default=48, help="tokens per greedy comparison (default 48)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
+    c.add_argument("--device", default=None)
+    _backend_args(c)
+    c.add_argument("--json", action="store_true", help="print the certificate as JSON")
+    c.add_argument("--out", default=None, help="directory for certificate.json and certificate.md")
     return parser
+
+
+def certify(args) -> int:
+    from . import certify as cert
+    from .bench import cpu_description
+    from .engine import METHODS, Engine
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS or m == "autoregressive"]
+    if bad or not methods:
+        raise SpecDecodeError(f"unknown method(s) {', '.join(bad) or '(none)'} for certify; choose from "
+                              f"{', '.join(m for m in METHODS if m != 'autoregressive')}")
+    if args.draws < 1000 or args.max_new_tokens <= 0:
+        raise SpecDecodeError("--draws must be at least 1000 and --max-new-tokens positive")
+    engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+                         threads=args.threads, draft_quant=args.draft_quant, progress=not args.json)
+    if engine.draft_model is None:
+        methods = [m for m in methods if m != "draft"]
+    report = cert.certify(engine, methods=methods, draws=args.draws, max_new_tokens=args.max_new_tokens,
+                          seed=args.seed, progress=not args.json)
+    report["cpu"] = cpu_description()
+    if args.out:
+        cert.write(report, args.out)
+    if args.json:
+        json.dump(report, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(cert.markdown(report) + (f"\nwritten to {args.out}/\n" if args.out else ""))
+    return 0 if report["passed"] else 1
 
 
 def _backend_args(parser) -> None:
@@ -189,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             generate(args)
         elif args.command == "bench":
             bench(args)
+        elif args.command == "certify":
+            return certify(args)
         elif args.command == "serve":
             from .server import serve
             serve(args)

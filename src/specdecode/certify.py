@@ -1,0 +1,269 @@
+"""`specdecode certify`: a certificate, for the user's own model pair on their own machine, that
+speculative decoding here does not change what the target generates.
+
+Three checks, each with its tolerance stated in the report:
+1. KV rollback (target and draft): after a chain rollback and after a tree pass cut to one branch,
+   the next-token logits equal those of a fresh cache fed the same committed text in passes of the
+   same sizes (filler tokens after the text pad a pass to its size and are cropped: causal attention
+   keeps them from touching the text). Kernels chosen by pass size (llama.cpp, oneDNN) therefore
+   cancel out, and what is left is the cache bookkeeping itself. The distance to a plain fresh
+   prefill is reported too, for information.
+2. The verifier on the real models' rows: for a few prompts and each sampling setting, p (target)
+   and q (draft) at the next position; `verify` draws >= 10^6 first tokens (draft x ~ q, accept with
+   min(1, p/q), else the residual), vectorised (no forward pass per draw), and a chi-square test
+   against p must not reject at p <= 1e-6. A negative control on the same rows (accept every draft
+   token: the output then follows q) shows the test has the power to see a wrong rule.
+3. Greedy agreement: every method's greedy output against plain decoding; a divergence passes only
+   where the plain run's top-2 logits nearly tie (a margin below the stated bound, which is the
+   measured size of kernel rounding differences on that backend and dtype).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import SpecDecodeError
+from .sampling import SamplingParams, probs_from_logits, sample
+from .verify import verify
+
+PROMPTS = [
+    "def binary_search(items, target):\n    \"\"\"Return the index of target in the sorted list items, or -1.\"\"\"\n",
+    "Explain in three sentences why the sky is blue.",
+    "red green blue red green blue red green blue red green",
+]
+SETTINGS = [SamplingParams(1.0, 50, 1.0), SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 5, 1.0)]
+P_FAIL = 1e-6
+MAX_SUPPORT = 4096  # the verifier check runs on the union of p's and q's supports: top-k/top-p keep it small
+
+
+def tolerances(lm) -> dict:
+    """(rollback tolerance, greedy near-tie bound) for an LM, by backend and dtype."""
+    if lm.backend == "llama.cpp":
+        # same pass sizes give bit-identical logits; F16 keys/values stored per cell may differ ~1e-3
+        # between cell orders. Greedy: a 4+ token pass moves a logit by up to ~0.5 on quantized models.
+        return {"rollback": 1e-2, "tie": 0.5}
+    if lm.dtype in (torch.bfloat16, torch.float16):
+        return {"rollback": 0.25, "tie": 0.25}
+    return {"rollback": 1e-3, "tie": 1e-3}
+
+
+def _filler(lm) -> int:
+    return 1 if lm.vocab_size > 1 else 0
+
+
+def check_rollback(lm, prompt_ids: list[int], drafted: list[int]) -> list[dict]:
+    """Chain and tree rollbacks on one LM against fresh caches fed in passes of the same sizes."""
+    tol = tolerances(lm)["rollback"]
+    P = prompt_ids[:-1]
+    root = prompt_ids[-1]
+    fill = _filler(lm)
+    out = []
+
+    def fresh(passes: list[list[int]], keep: int) -> torch.Tensor:
+        """A fresh cache fed these passes, cropped to `keep` entries; then the next token's logits."""
+        lm.reset()
+        if P:
+            lm.forward(P, last_only=True)
+        for ids in passes:
+            lm.forward(ids)
+        lm.rollback(keep)
+        return lm.forward([drafted[0]])[-1]
+
+    def plain() -> torch.Tensor:
+        lm.reset()
+        return lm.forward(P + committed + [drafted[0]], last_only=True)[-1]
+
+    # chain: one pass of root + 4 drafted tokens, keep root + 2 of them
+    k = min(4, len(drafted))
+    lm.reset()
+    if P:
+        lm.forward(P, last_only=True)
+    lm.forward([root] + drafted[:k])
+    lm.rollback(len(P) + 3)
+    got = lm.forward([drafted[0]])[-1]
+    committed = [root] + drafted[:2]
+    ref = fresh([committed + [fill] * (k + 1 - len(committed))], len(P) + 3)
+    out.append(_compare("chain rollback", got, ref, plain(), tol))
+
+    # tree: root with children a, b; a with children c, d; d with child e (a pass of 6 tokens); keep a, d, e
+    t = (drafted * 3)[:5]
+    parents_local = [-1, -1, 0, 0, 3]
+    lm.reset()
+    if P:
+        lm.forward(P, last_only=True)
+    base = len(lm)
+    lm.forward([root] + t, parents=[base - 1] + [base + 1 + p for p in parents_local])
+    branch = [0, 3, 4]
+    lm.rollback(base + 1, [base + 1 + j for j in branch])
+    got = lm.forward([drafted[0]])[-1]
+    committed = [root] + [t[j] for j in branch]
+    ref = fresh([committed + [fill] * (len(t) + 1 - len(committed))], base + 1 + len(branch))
+    out.append(_compare("tree branch rollback", got, ref, plain(), tol))
+    lm.reset()
+    return out
+
+
+def _compare(name, got, ref, plain, tol) -> dict:
+    diff = float((got - ref).abs().max())
+    return {"check": name, "max_abs_diff": diff, "tolerance": tol, "passed": diff <= tol,
+            "max_abs_diff_vs_plain_prefill": float((got - plain).abs().max())}
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's chi-square p-value of counts against probs; categories expected < 5 times are pooled."""
+    from scipy.stats import chi2
+    n = float(counts.sum())
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    if exp[-1] < 5:  # too little pooled mass for its own bin: fold it into the last big one
+        obs, exp = torch.cat([obs[:-2], (obs[-2] + obs[-1]).reshape(1)]), torch.cat([exp[:-2], (exp[-2] + exp[-1]).reshape(1)])
+    stat = float(((obs - exp) ** 2 / exp.clamp_min(1e-300)).sum())
+    dof = len(exp) - 1
+    return (float(chi2.sf(stat, dof)) if dof > 0 else 1.0), dof
+
+
+def check_verifier(p: torch.Tensor, q: torch.Tensor, draws: int, generator: torch.Generator) -> dict:
+    """draws first tokens through `verify` (gamma 1) on rows p, q [V]; chi-square against p, and the
+    accept-everything control (which follows q) on the same draws."""
+    support = torch.nonzero((p > 0) | (q > 0)).flatten()
+    if len(support) > MAX_SUPPORT:
+        raise SpecDecodeError(f"the verifier check needs a bounded support (top-k or top-p): {len(support)} tokens")
+    ps, qs = p[support].float(), q[support].float()
+    counts = torch.zeros(len(support), dtype=torch.long)
+    control = torch.zeros(len(support), dtype=torch.long)
+    chunk = max(1, min(draws, 1 << 16))
+    done = 0
+    while done < draws:
+        b = min(chunk, draws - done)
+        x = sample(qs.expand(b, -1), generator)  # [b] draft tokens drawn from q
+        P = ps.expand(b, 2, -1)  # position 0: the token after the prompt; 1: the bonus
+        accepted, nxt = verify(P, qs.expand(b, 1, -1), x[:, None], generator)
+        first = torch.where(accepted > 0, x, nxt)
+        counts += torch.bincount(first, minlength=len(support))
+        control += torch.bincount(x, minlength=len(support))
+        done += b
+    p_value, dof = chi_square(counts, ps / ps.sum())
+    p_control, _ = chi_square(control, ps / ps.sum())
+    tv = 0.5 * float((ps / ps.sum() - qs / qs.sum()).abs().sum())
+    return {"draws": draws, "support": len(support), "dof": dof, "p_value": p_value, "passed": p_value > P_FAIL,
+            "control_p_value": p_control, "control_informative": p_control <= P_FAIL, "tv_distance_p_q": tv}
+
+
+def check_greedy(engine, prompt: str, method: str, max_new_tokens: int, plain_ids: list[int]) -> dict:
+    out = engine.generate(prompt, method=method, max_new_tokens=max_new_tokens, temperature=0.0)
+    ids = out.token_ids
+    res = {"method": method, "tokens": len(ids), "identical": ids == plain_ids, "divergence": None, "passed": True,
+           "drafted": out.stats.drafted, "accepted": out.stats.accepted}
+    if ids == plain_ids:
+        return res
+    i = next((k for k, (a, b) in enumerate(zip(plain_ids, ids)) if a != b), min(len(ids), len(plain_ids)))
+    tie = tolerances(engine.target)["tie"]
+    prompt_ids = engine.encode(prompt)
+    engine.target.reset()
+    logits = engine.target.forward(prompt_ids + plain_ids[:i], last_only=True)[-1]
+    engine.target.reset()
+    top = logits.topk(2)
+    margin = float(top.values[0] - top.values[1])
+    took = ids[i] if i < len(ids) else None
+    runner_up = int(top.indices[1])
+    ok = i < len(ids) and i < len(plain_ids) and margin <= tie and took in (runner_up, int(top.indices[0]))
+    res.update(divergence={"at": i, "top2_margin": margin, "bound": tie, "took_runner_up": took == runner_up},
+               passed=bool(ok))
+    return res
+
+
+def certify(engine, *, methods: list[str], prompts: list[str] | None = None, settings: list[SamplingParams] | None = None,
+            draws: int = 10 ** 6, max_new_tokens: int = 48, seed: int = 0, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+    prompts = prompts or PROMPTS
+    settings = settings or SETTINGS
+    generator = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    lms = [("target", engine.target)] + ([("draft", engine.draft_model.lm)] if engine.draft_model else [])
+    steps = len(lms) + len(prompts) * (len(settings) + len(methods) + 1)
+    bar = tqdm(total=steps, desc="certify", disable=not progress)
+    report = {"backend": engine.backend, "target": engine.target.name,
+              "draft": engine.draft_model.lm.name if engine.draft_model else None,
+              "tolerances": {name: tolerances(lm) for name, lm in lms}, "p_fail": P_FAIL,
+              "rollback": [], "verifier": [], "greedy": []}
+    probe = engine.encode(prompts[0])
+    drafted = engine.target.forward(probe, last_only=True)[-1].topk(5).indices.tolist()
+    for name, lm in lms:
+        for r in check_rollback(lm, probe, drafted):
+            report["rollback"].append({"model": name, **r})
+        bar.update(1)
+    for prompt in prompts:
+        ids = engine.encode(prompt)
+        engine.target.reset()
+        p_logits = engine.target.forward(ids, last_only=True)[-1]
+        engine.target.reset()
+        q_logits = None
+        if engine.draft_model is not None:
+            engine.draft_model.lm.reset()
+            from .drafters import fit_vocab
+            q_logits = fit_vocab(engine.draft_model.lm.forward(ids, last_only=True)[-1], engine.vocab_size)
+            engine.draft_model.lm.reset()
+        for params in settings:
+            p = probs_from_logits(p_logits, params)
+            # no draft model: a deterministic drafter proposes the target's own argmax (a one-hot q)
+            q = probs_from_logits(q_logits, params) if q_logits is not None else \
+                torch.zeros_like(p).index_fill_(0, p_logits.argmax().reshape(1), 1.0)
+            r = check_verifier(p, q, draws, generator)
+            report["verifier"].append({"prompt": prompt[:40], "temperature": params.temperature, "top_k": params.top_k,
+                                       "top_p": params.top_p, **r})
+            bar.update(1)
+        plain = engine.generate(prompt, method="autoregressive", max_new_tokens=max_new_tokens).token_ids
+        bar.update(1)
+        for m in methods:
+            report["greedy"].append({"prompt": prompt[:40], **check_greedy(engine, prompt, m, max_new_tokens, plain)})
+            bar.update(1)
+    bar.close()
+    report["passed"] = all(r["passed"] for part in ("rollback", "verifier", "greedy") for r in report[part])
+    report["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+def markdown(report: dict) -> str:
+    ok = lambda b: "pass" if b else "**FAIL**"  # noqa: E731
+    lines = [f"# specdecode certificate: {'PASSED' if report['passed'] else 'FAILED'}\n",
+             f"Backend {report['backend']}, target {report['target']}, draft {report['draft'] or '–'}; "
+             f"{report.get('cpu', '')} ({report['wall_s']:.0f} s)\n",
+             "## 1. KV rollback\n",
+             "Next-token logits after the rollback vs a fresh cache fed the same text in passes of the same sizes "
+             "(and, for information, vs a plain fresh prefill).\n",
+             "| model | check | max abs diff | tolerance | vs plain prefill | result |", "|---|---|---|---|---|---|"]
+    for r in report["rollback"]:
+        lines.append(f"| {r['model']} | {r['check']} | {r['max_abs_diff']:.2e} | {r['tolerance']:g} | "
+                     f"{r['max_abs_diff_vs_plain_prefill']:.2e} | {ok(r['passed'])} |")
+    lines += ["\n## 2. Verifier on the real models' rows\n",
+              f"First tokens drawn through `verify` (draft x ~ q, accepted with min(1, p/q), else the residual) vs "
+              f"the target's p; chi-square, failing at p ≤ {report['p_fail']:g}. Control: accepting every draft token "
+              "(the output then follows q) on the same draws — it must be rejected when p and q differ enough.\n",
+              "| prompt | T | top-k | top-p | draws | support | TV(p, q) | p-value | control p-value | result |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["verifier"]:
+        lines.append(f"| {r['prompt']!r} | {r['temperature']} | {r['top_k']} | {r['top_p']} | {r['draws']:,} | "
+                     f"{r['support']} | {r['tv_distance_p_q']:.3f} | {r['p_value']:.3g} | {r['control_p_value']:.3g} | "
+                     f"{ok(r['passed'])} |")
+    lines += ["\n## 3. Greedy agreement with plain decoding\n",
+              "| prompt | method | tokens | drafted / accepted | identical | first divergence (top-2 margin / bound) | result |",
+              "|---|---|---|---|---|---|---|"]
+    for r in report["greedy"]:
+        d = r["divergence"]
+        div = "–" if d is None else f"token {d['at']}: {d['top2_margin']:.3f} / {d['bound']}"
+        lines.append(f"| {r['prompt']!r} | {r['method']} | {r['tokens']} | {r['drafted']} / {r['accepted']} | "
+                     f"{'yes' if r['identical'] else 'no'} | {div} | {ok(r['passed'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "certificate.json").write_text(json.dumps(report, indent=1))
+    (out / "certificate.md").write_text(markdown(report))
+    return out
