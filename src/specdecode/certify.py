@@ -42,9 +42,9 @@ MAX_SUPPORT = 4096  # the verifier check runs on the union of p's and q's suppor
 def tolerances(lm) -> dict:
     """(rollback tolerance, greedy near-tie bound) for an LM, by backend and dtype."""
     if lm.backend == "llama.cpp":
-        # same pass sizes give bit-identical logits; F16 keys/values stored per cell may differ ~1e-3
-        # between cell orders. Greedy: a 4+ token pass moves a logit by up to ~0.5 on quantized models.
-        return {"rollback": 1e-2, "tie": 0.5}
+        # rollback: checked on an exact context (F32 keys/values, no flash attention; see certify()).
+        # Greedy: a 4+ token pass moves a logit by up to ~0.5 on quantized models.
+        return {"rollback": 1e-3, "tie": 0.5}
     if lm.dtype in (torch.bfloat16, torch.float16):
         return {"rollback": 0.25, "tie": 0.25}
     return {"rollback": 1e-3, "tie": 1e-3}
@@ -107,8 +107,15 @@ def check_rollback(lm, prompt_ids: list[int], drafted: list[int]) -> list[dict]:
 
 
 def _compare(name, got, ref, plain, tol) -> dict:
+    """Pass if got is within tol of ref, or within the numerical noise measured on the spot: 1.5x the
+    distance between two correct computations of the same logits (ref, and a plain one-pass prefill).
+    Quantized kernels round activations to int8 per row, so on llama.cpp a different summation order
+    (another pass size, or another cell layout after a rollback) moves a logit by ~0.3-0.4 on the
+    default 1.5B target; a wrong rollback (a wrong token or position kept) moves it by far more."""
     diff = float((got - ref).abs().max())
-    return {"check": name, "max_abs_diff": diff, "tolerance": tol, "passed": diff <= tol,
+    noise = float((ref - plain).abs().max())
+    allowed = max(tol, 1.5 * noise)
+    return {"check": name, "max_abs_diff": diff, "tolerance": allowed, "noise": noise, "passed": diff <= allowed,
             "max_abs_diff_vs_plain_prefill": float((got - plain).abs().max())}
 
 
@@ -136,7 +143,7 @@ def check_verifier(p: torch.Tensor, q: torch.Tensor, draws: int, generator: torc
     ps, qs = p[support].float(), q[support].float()
     counts = torch.zeros(len(support), dtype=torch.long)
     control = torch.zeros(len(support), dtype=torch.long)
-    chunk = max(1, min(draws, 1 << 16))
+    chunk = max(1, min(draws, (1 << 22) // len(support)))  # ~16 MB per [chunk, support] tensor
     done = 0
     while done < draws:
         b = min(chunk, draws - done)
@@ -194,6 +201,12 @@ def certify(engine, *, methods: list[str], prompts: list[str] | None = None, set
     probe = engine.encode(prompts[0])
     drafted = engine.target.forward(probe, last_only=True)[-1].topk(5).indices.tolist()
     for name, lm in lms:
+        if lm.backend == "llama.cpp":
+            # F16 keys/values under flash attention round by where an entry sits in the cache, and a
+            # quantized 28-layer model turns that into ~0.4 in a logit; an F32, no-flash context of the
+            # same file isolates the bookkeeping (the engine's own context is the default one)
+            from .llamacpp import LlamaLM
+            lm = LlamaLM(lm.path, n_ctx=min(lm.max_length, 2048), threads=lm.threads, exact=True)
         for r in check_rollback(lm, probe, drafted):
             report["rollback"].append({"model": name, **r})
         bar.update(1)
@@ -234,8 +247,9 @@ def markdown(report: dict) -> str:
              f"Backend {report['backend']}, target {report['target']}, draft {report['draft'] or '–'}; "
              f"{report.get('cpu', '')} ({report['wall_s']:.0f} s)\n",
              "## 1. KV rollback\n",
-             "Next-token logits after the rollback vs a fresh cache fed the same text in passes of the same sizes "
-             "(and, for information, vs a plain fresh prefill).\n",
+             "Next-token logits after the rollback vs a fresh cache fed the same text in passes of the same sizes; "
+             "tolerance: the stated bound or 1.5x the noise measured between two correct computations (the "
+             "same-size passes vs a plain fresh prefill), whichever is larger.\n",
              "| model | check | max abs diff | tolerance | vs plain prefill | result |", "|---|---|---|---|---|---|"]
     for r in report["rollback"]:
         lines.append(f"| {r['model']} | {r['check']} | {r['max_abs_diff']:.2e} | {r['tolerance']:g} | "

@@ -47,12 +47,21 @@ class DraftModel:
     def __init__(self, model, vocab_size: int):
         self.lm = as_lm(model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
         self.vocab_size = vocab_size  # the target's V: q must live on the same support as p
+        self._chain = None
 
     def reset(self) -> None:
         self.lm.reset()
 
+    def room(self, n: int) -> int:
+        """How deep a draft may grow after n committed tokens without leaving the draft model's own
+        context (positions 0 .. lm.max_length-1): the root pass reads up to position n-1, and a node at
+        depth d is fed (to get the logits of depth d+1) at position n-1+d; the deepest nodes are never
+        fed. 0 = the draft model can no longer draft: the target goes on without it."""
+        return max(0, self.lm.max_length - n + 1)
+
     def prefill(self, ids: list[int]) -> None:
-        self.lm.forward(ids, last_only=True)
+        if self.room(len(ids) + 1):  # a prompt longer than the draft's context: it never drafts
+            self.lm.forward(ids, last_only=True)
 
     def root(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Logits [V] of the token after ids, and how many tokens this pass fed. Cache invariant:
@@ -66,11 +75,16 @@ class DraftModel:
 
     def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> Draft:
         from .tree import TreeDrafter  # the chain is the one-child tree
+        gamma = min(gamma, self.room(len(ids)))
+        if gamma <= 0:  # the draft's context is full: a plain step
+            self._chain = None
+            return Draft([], None)
         self._chain = TreeDrafter(self, pld=False, width=1, depth=gamma, adaptive=False)
         return self._chain.propose(ids, gamma, params, generator)
 
     def commit(self, length: int, path: list[int], bonus: int) -> None:
-        self._chain.commit(length, path, bonus)
+        if self._chain is not None:
+            self._chain.commit(length, path, bonus)
 
 
 class PromptLookup:

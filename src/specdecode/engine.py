@@ -21,6 +21,7 @@ from .tree import TreeDrafter, TreeState, draft_model_can_pay
 from .verify import verify, verify_tree
 
 METHODS = ("auto", "autoregressive", "draft", "pld", "tree")
+AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
 
 
 @dataclass
@@ -48,6 +49,11 @@ class Stats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     finish_reason: str | None = None  # "eos" | "stop" | "length"
+
+    def __post_init__(self):
+        # per target pass: [tokens it emitted, how many of them were accepted draft tokens (its first ones)];
+        # not a field, so not in as_dict: what truncate() needs to take back tokens cut at a stop string
+        self._passes: list[list[int]] = []
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -79,7 +85,10 @@ class Stats:
             return None
         return self.expected_tokens / self.modelled_s * self.plain_step_s
 
-    def record(self, draft: Draft, accepted: int) -> None:
+    def record(self, draft: Draft, accepted: int, emitted: int | None = None) -> None:
+        """One target pass over `draft`: its first `accepted` draft tokens were accepted (and emitted),
+        and it emitted `emitted` tokens in all (default: those plus one of the target's own)."""
+        self._passes.append([accepted + 1 if emitted is None else emitted, accepted])
         self.target_forwards += 1
         self.drafted += len(draft.tokens)
         self.accepted += accepted
@@ -100,6 +109,21 @@ class Stats:
         for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
+
+    def truncate(self, new_tokens: int) -> None:
+        """The output was cut to its first new_tokens tokens (a stop string ended it): accepted draft
+        tokens past the cut were never emitted, so they no longer count as accepted (in `accepted` and
+        `accepted_per_position`). Drafted tokens and target passes stay: they were verified."""
+        start = 0
+        for p in self._passes:
+            emitted, accepted = p
+            kept = min(accepted, max(0, new_tokens - start))  # accepted draft tokens come first in a pass
+            for i in range(kept, accepted):
+                self.accepted_per_position[i] -= 1
+            self.accepted -= accepted - kept
+            p[:] = [min(emitted, max(0, new_tokens - start)), kept]
+            start += emitted
+        self.new_tokens = new_tokens
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -170,7 +194,7 @@ def speculative_decode(target: CachedLM, drafter, prompt_ids: list[int], *, gamm
                 new = new[:i + 1]
                 stats.finish_reason = "eos"
                 break
-        stats.record(draft, min(len(path), len(new)))  # accepted draft tokens that are emitted (none past EOS)
+        stats.record(draft, min(len(path), len(new)), len(new))  # accepted draft tokens emitted (none past EOS)
         ids += new
         emitted += len(new)
         stats.new_tokens = emitted
@@ -186,6 +210,15 @@ class Engine:
     >>> out = engine.generate("def fib(n):", method="draft", gamma=4, max_new_tokens=64)
     >>> out.text, out.stats.mean_accepted_tokens
     >>> for delta in engine.stream("Hello", method="pld"): print(delta, end="")
+
+    A draft model whose context (lm.max_length) is shorter than the target's drafts only while the
+    text and the draft fit in it: each step drafts at most as deep as the draft's context still holds,
+    and once it is full (or when the prompt alone does not fit) the draft model is no longer run; the
+    target goes on plainly (the tree and auto methods keep their prompt-lookup guesses) up to its own
+    context and max_new_tokens. The output is the same as ever; only the speedup ends there.
+
+    Each generation starts with a fresh planner (TreeState) for the tree and auto methods, so a
+    generation's output and stats never depend on what the Engine generated before.
     """
 
     def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None):
@@ -199,10 +232,6 @@ class Engine:
         self.eos_ids = self.target.eos_token_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
         self.progress = True
-        # what the greedy tree drafter learned about acceptance, kept across generations (greedy output
-        # does not depend on the tree's shape; a sampled tree starts afresh so that a seed reproduces)
-        self.tree_state = TreeState()
-        self.auto_state: dict[bool, TreeState] = {}  # the same for the auto method (with/without the draft model)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
@@ -285,7 +314,9 @@ class Engine:
 
         method="auto" (the default): each step the cost model measured for this backend on this
         machine picks plain decoding, prompt lookup, a draft chain or a tree, whichever it expects to
-        give the most tokens per second (the draft model only where it could ever pay).
+        give the most tokens per second (the draft model only where it could ever pay); chains only
+        where a model cannot run token trees (sliding-window layers, an attention implementation other
+        than sdpa or eager), for which method="tree" is an error before any model work.
         method="tree": gamma is not used; tree_width (children per node and frontier nodes per
         depth), tree_depth and tree_nodes (nodes per target pass) fix the tree's shape where given,
         and the cost model picks the rest."""
@@ -330,14 +361,25 @@ class Engine:
                 raise SpecDecodeError(f"{name} applies to method 'tree' only (method is {method!r})")
         if method == "autoregressive":
             return None
+        # every generation plans with a fresh TreeState (what the planner learns about acceptance): a
+        # tree's shape, and so in bf16 the rounding of its target pass and the side a near-tie falls
+        # on, never depends on what this Engine generated before
         if method == "auto":
             costs = self.tree_costs()
             model = self.draft_model if self.draft_model is not None and draft_model_can_pay(costs) else None
-            state = self.auto_state.setdefault(model is not None, TreeState()) if params.greedy else TreeState()
+            state = TreeState()
+            # the first steps run without the draft model, so that its measured rate is compared with a
+            # measured rate of the steps without it (tree.TreeDrafter._learn_rate), not with a model of it
+            state.plain_left = AUTO_PROBE_STEPS if model is not None else 0
+            if self._tree_error(model):  # e.g. flash attention: chains only (a draft chain, else lookup)
+                return TreeDrafter(model, pld=model is None, width=1, costs=costs, state=state)
             return TreeDrafter(model, pld=True, costs=costs, state=state)
         if method == "tree":
+            error = self._tree_error(self.draft_model)
+            if error:  # before any model work
+                raise SpecDecodeError(error)
             return TreeDrafter(self.draft_model, pld=True, width=width, depth=depth, nodes=nodes,
-                               costs=self.tree_costs(), state=self.tree_state if params.greedy else TreeState())
+                               costs=self.tree_costs(), state=TreeState())
         if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
             raise SpecDecodeError(f"gamma must be a positive integer, got {gamma!r}")
         if method == "pld":
@@ -345,6 +387,15 @@ class Engine:
         if self.draft_model is None:
             raise SpecDecodeError("method 'draft' needs a draft model (pass --draft / draft=...)")
         return self.draft_model
+
+    def _tree_error(self, draft_model) -> str | None:
+        """Why the target or this draft model cannot run token trees (None: both can; an LM without
+        tree_error, such as llama.cpp's, always can)."""
+        for lm in (self.target, draft_model.lm if draft_model is not None else None):
+            error = getattr(lm, "tree_error", lambda: None)() if lm is not None else None
+            if error:
+                return error
+        return None
 
 
 class TextStream:
@@ -367,7 +418,7 @@ class TextStream:
                 if cut is not None:
                     text = text[:cut]
                     ids = _shortest_prefix_with_stop(ids, decode, self.stops)
-                    stats.new_tokens = len(ids)
+                    stats.truncate(len(ids))  # draft tokens cut off with the stop's tail were not emitted
                     stats.finish_reason = "stop"
                     safe = len(text)
                 else:

@@ -12,6 +12,7 @@ chain, where it is a plain crop). It slices keys and values; nothing is recomput
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 from .errors import SpecDecodeError
@@ -79,7 +80,16 @@ class CachedLM:
             raise ValueError(f"{len(new_ids)} tokens but {len(parents)} parents")
         causal = self.trunk == start and parents == chain  # plain causal attention, no mask to build
         kwargs = {} if causal else self._tree_inputs(start, parents)
+        before = self.cache.get_seq_length()
         out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0, **kwargs)
+        grown = self.cache.get_seq_length() - before
+        if grown != len(new_ids):
+            # transformers before 5.24 takes the cache as `past_key_values`: its models swallow `cache=`
+            # into **kwargs and build a throwaway cache, and every later pass would be silently wrong
+            raise SpecDecodeError(f"{type(self.model).__name__} did not use the KV cache it was given (the cache grew "
+                                  f"by {grown} entries for {len(new_ids)} tokens). specdecode needs "
+                                  f"transformers>=5.24,<6, whose models take `cache=` (installed: "
+                                  f"{transformers.__version__}), and a model that keeps its keys and values there")
         self.ids.extend(new_ids)
         if causal:
             self.trunk = len(self.ids)
@@ -101,10 +111,25 @@ class CachedLM:
     def _position(self, i: int) -> int:
         return i if i < self.trunk else self.pos[i - self.trunk]
 
-    def _tree_inputs(self, start: int, parents: list[int]) -> dict:
+    def tree_error(self) -> str | None:
+        """Why this model cannot run token trees (a pass with a custom mask and positions); None if it can."""
+        name = type(self.model).__name__
         if _has_sliding_layers(self.model.config):
-            raise SpecDecodeError(f"{type(self.model).__name__} has sliding-window attention layers; token trees "
-                                  "need full attention (use a chain method: draft or pld)")
+            return (f"{name} has sliding-window attention layers; token trees need full attention "
+                    "(use a chain method: draft or pld)")
+        impl = attn_implementation(self.model.config)
+        if impl not in TREE_ATTENTION:
+            # flash-attention, flex, paged and hub kernels build their own causal mask and ignore (or
+            # reject) a custom 4-D one: a tree pass would attend across branches, silently
+            return (f"token trees need an attention implementation that applies a custom 4-D mask (sdpa or "
+                    f"eager); {name} runs {impl!r}. Load the model with attn_implementation=\"sdpa\" (or "
+                    "\"eager\"), or use a chain method (draft or pld)")
+        return None
+
+    def _tree_inputs(self, start: int, parents: list[int]) -> dict:
+        error = self.tree_error()
+        if error:
+            raise SpecDecodeError(error)
         n = len(parents)
         total = start + n
         allowed = torch.zeros(n, total, dtype=torch.bool)
@@ -175,6 +200,15 @@ def as_lm(model):
     """A model with a KV cache behind the LM interface: LMs pass through, HF models get a CachedLM."""
     return model if hasattr(model, "rollback") and hasattr(model, "forward") and hasattr(model, "vocab_size") \
         and not hasattr(model, "parameters") else CachedLM(model)
+
+
+TREE_ATTENTION = ("eager", "sdpa")  # the implementations that apply an additive 4-D mask as given
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation the (text) decoder runs: "sdpa", "eager", "flash_attention_2", ..."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(cfg, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
 
 
 def _has_sliding_layers(config) -> bool:

@@ -87,7 +87,9 @@ class LlamaLM:
 
     backend = "llama.cpp"
 
-    def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None):
+    def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None, exact: bool = False):
+        """exact: keys and values in F32 and flash attention off (slower): logits then no longer depend on
+        where in the cache a token's entry sits, so rollbacks can be checked to ~1e-6 (certify does)."""
         lc = self._lc = _lib()
         self.path = Path(path)
         if not self.path.is_file():
@@ -112,6 +114,9 @@ class LlamaLM:
         cparams.kv_unified = True  # one KV buffer that all sequences share: a tree shares its trunk
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.no_perf = True
+        if exact:
+            cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            cparams.type_k = cparams.type_v = lc.GGML_TYPE_F32
         self._ctx = lc.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise SpecDecodeError(f"llama.cpp could not create a context for {self.path} (n_ctx={cparams.n_ctx}; "
