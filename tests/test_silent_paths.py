@@ -164,6 +164,19 @@ def test_sliding_window_target_auto_drafts_chains_and_tree_is_refused_up_front()
 
 # ============================================================ 3. no state across generations
 
+@pytest.fixture
+def step_clock(monkeypatch):
+    """The adaptive planner compares measured wall-clock rates of steps with and without the draft
+    model (tree.TreeDrafter._learn_rate): a clock that advances 1 s per reading makes them (and so
+    the shapes) depend on the tokens each step emitted only, not on this machine's load."""
+    import itertools
+    import types
+
+    import specdecode.tree as tree_mod
+    ticks = itertools.count()
+    monkeypatch.setattr(tree_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))),
+                        raising=False)
+
 def _trace(monkeypatch):
     """Every target pass's draft (tokens and parents), as the engine records it."""
     passes = []
@@ -184,7 +197,7 @@ def _shape(out):
 
 
 @pytest.mark.parametrize("method", ["tree", "auto"])
-def test_greedy_tree_does_not_depend_on_earlier_generations(monkeypatch, method):
+def test_greedy_tree_does_not_depend_on_earlier_generations(monkeypatch, step_clock, method):
     passes = _trace(monkeypatch)
     prompt, kw = "the quick brown fox", dict(method=method, max_new_tokens=60)
 
@@ -316,9 +329,11 @@ def _gpt2_draft(n_positions: int) -> GPT2LMHeadModel:
 @pytest.mark.parametrize("draft_kind", ["qwen2", "gpt2"])
 @pytest.mark.parametrize("method,kw", [("draft", dict(gamma=4)), ("tree", dict(tree_width=2, tree_depth=4)),
                                        ("auto", {})], ids=["draft", "tree", "auto"])
-def test_short_draft_context_drafts_then_goes_on_plainly(draft_kind, method, kw):
+def test_short_draft_context_drafts_then_goes_on_plainly(step_clock, draft_kind, method, kw):
     limit = 48
-    draft = tiny_model(1, max_pos=limit) if draft_kind == "qwen2" else _gpt2_draft(limit)
+    # the qwen2 draft is the target's own weights (it agrees, so even auto keeps running it to the end of
+    # its context); the random gpt2 draft hardly agrees, and auto may stop running it on its own
+    draft = tiny_model(0, max_pos=limit) if draft_kind == "qwen2" else _gpt2_draft(limit)
     engine = engine_with(tiny_model(0), draft)
     seen = _positions_watch(engine.draft_model.lm)
     prompt = "def add(a, b):\n"  # 15 tokens: the draft fits at first, not after ~33 more
@@ -326,7 +341,9 @@ def test_short_draft_context_drafts_then_goes_on_plainly(draft_kind, method, kw)
     out = engine.generate(prompt, method=method, max_new_tokens=80, **kw)
     assert out.token_ids == plain.token_ids and len(out.token_ids) == 80
     assert out.stats.finish_reason == "length"
-    assert limit - 4 <= max(seen) < limit  # used up to the end of its context, never past it
+    assert seen and max(seen) < limit  # never past its context
+    if method != "auto" or draft_kind == "qwen2":
+        assert max(seen) >= limit - 4  # used up to the end of its context
     assert out.stats.drafted > 0
     draft_passes = out.stats.strategies.get("draft", 0) + out.stats.strategies.get("tree", 0)
     assert 0 < draft_passes < out.stats.target_forwards  # the draft ran, then the target went on

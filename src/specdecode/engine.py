@@ -371,6 +371,7 @@ class Engine:
             # the first steps run without the draft model, so that its measured rate is compared with a
             # measured rate of the steps without it (tree.TreeDrafter._learn_rate), not with a model of it
             state.plain_left = AUTO_PROBE_STEPS if model is not None else 0
+            state.measure = True
             if self._tree_error(model):  # e.g. flash attention: chains only (a draft chain, else lookup)
                 return TreeDrafter(model, pld=model is None, width=1, costs=costs, state=state)
             return TreeDrafter(model, pld=True, costs=costs, state=state)

@@ -97,6 +97,7 @@ class TreeState:
         # draft model (True) and of those that did not (False). A cost model measured once can be off
         # (another process was busy then, the machine changed speed); the two measured rates cannot.
         self.measured = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        self.measure = False  # decide by the measured rates (the auto method) rather than the modelled ones
 
     def measured_rate(self, with_model: bool) -> float | None:
         tokens, seconds = self.measured[with_model]
@@ -348,7 +349,7 @@ class TreeDrafter:
         rate = emitted / (self.spent + self.costs.t(n_nodes + 1))
         st.rate = rate if st.rate is None else 0.9 * st.rate + 0.1 * rate
         st.steps += 1
-        with_model, without = st.measured_rate(True), st.measured_rate(False)
+        with_model, without = (st.measured_rate(True), st.measured_rate(False)) if st.measure else (None, None)
         losing = with_model < without if with_model is not None and without is not None \
             else st.rate < 1.0 / self.costs.t(1)
         if st.steps >= 8 and losing:
