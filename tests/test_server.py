@@ -20,7 +20,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from tiny import byte_tokenizer, tiny_model
 
-from specdecode import Engine
+from specdecode import METHODS, Engine, SpecDecodeError
 from specdecode.cli import main
 from specdecode.server import create_app, engine_lock
 
@@ -265,6 +265,131 @@ def test_bad_input_gets_openai_error_then_server_still_serves(live, path, body, 
         assert err["param"] == param
     good = httpx.post(f"{live.url}/v1/completions", json=GOOD, timeout=60)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+# The Engine is the one validation layer: the server's 400 carries the Engine's own message.
+ENGINE_CHECKED = [
+    ({"temperature": -0.1}, dict(temperature=-0.1), "temperature"),
+    ({"top_p": 0}, dict(top_p=0.0), "top_p"),  # JSON numbers arrive as floats
+    ({"top_k": -1}, dict(top_k=-1), "top_k"),
+    ({"stop": ""}, dict(stop=""), "stop"),
+    ({"stop": ["ok", ""]}, dict(stop=["ok", ""]), "stop"),
+    ({"prompt": ""}, dict(prompt=""), "prompt"),
+    ({"speculation": {"method": "draft", "gamma": 0}}, dict(method="draft", gamma=0), "speculation.gamma"),
+    ({"speculation": {"method": "pld", "gamma": -3}}, dict(method="pld", gamma=-3), "speculation.gamma"),
+    ({"speculation": {"method": "tree", "tree_nodes": 0}}, dict(method="tree", tree_nodes=0), "speculation.tree_nodes"),
+    ({"speculation": {"method": "pld", "tree_width": 2}}, dict(method="pld", tree_width=2), "speculation"),
+]
+
+
+@pytest.mark.parametrize("fields, kwargs, param", ENGINE_CHECKED, ids=[c[2] for c in ENGINE_CHECKED])
+def test_bad_values_get_the_engines_message(live, tiny_engine, fields, kwargs, param):
+    kwargs = {"prompt": "hi", "method": "draft", "gamma": 3, **kwargs}
+    with pytest.raises(SpecDecodeError) as e:
+        tiny_engine.stream(kwargs.pop("prompt"), **kwargs)
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", **fields}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": str(e.value), "type": "invalid_request_error", "param": param,
+                                 "code": "invalid_value"}
+
+
+def test_chat_messages_errors_are_the_engines(live, tiny_engine):
+    with pytest.raises(SpecDecodeError) as e:
+        tiny_engine.stream([{"role": "user", "content": "  "}])
+    r = httpx.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "  "}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == str(e.value)
+    assert r.json()["error"]["param"] == "messages"
+
+
+UNSUPPORTED_FIELDS = [
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("chat/completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("completions", {"logit_bias": {"50": 100}}, "logit_bias"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"suffix": "}"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("path, fields, param", UNSUPPORTED_FIELDS, ids=[f[2] for f in UNSUPPORTED_FIELDS])
+def test_unsupported_openai_fields_get_a_400(live, path, fields, param):
+    body = {"model": MODEL, "max_tokens": 2, **fields}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
+    r = httpx.post(f"{live.url}/v1/{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "unsupported_parameter" and "not supported" in err["message"]
+
+
+def test_fields_that_ask_for_nothing_are_accepted(live, client):
+    harmless = {"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+                "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "n": 1, "user": "someone",
+                "store": False, "metadata": {"a": "b"}}
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                         extra_body=harmless)
+    assert 1 <= out.usage.completion_tokens <= 3
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": False,
+                                                       "best_of": 1, "logprobs": None, "suffix": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("chat, stream", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_prompt_is_tokenized_once(live, tiny_engine, monkeypatch, chat, stream):
+    calls = []
+    encode = tiny_engine.encode
+
+    def counting(*args, **kw):
+        calls.append(args)
+        return encode(*args, **kw)
+
+    live.wait_idle()
+    monkeypatch.setattr(tiny_engine, "encode", counting)
+    body = {"model": MODEL, "max_tokens": 4, "stream": stream}
+    body.update({"messages": [{"role": "user", "content": "once"}]} if chat else {"prompt": "once"})
+    r = httpx.post(f"{live.url}/v1/{'chat/completions' if chat else 'completions'}", json=body, timeout=60)
+    assert r.status_code == 200 and len(calls) == 1
+
+
+def test_a_queued_stream_gets_its_headers_at_once_and_keepalives():
+    ctl = ControlledEngine(make_engine())
+    srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, keepalive_s=0.2))
+    try:
+        ctl.gate.clear()
+        results = {}
+        a = _post_in_thread(f"{srv.url}/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 4}, results,
+                            "a")
+        wait_for(lambda: srv.worker.busy)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "abc"}], "max_tokens": 6, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert srv.worker.queued == 1  # the headers came while the request waits
+            lines = r.iter_lines()
+            first = json.loads(next(lines)[6:])  # the role comes at once too
+            assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            comments = 0
+            for line in lines:
+                if line == ": keep-alive":
+                    comments += 1
+                    if comments == 3:
+                        break
+            assert srv.worker.queued == 1
+            ctl.gate.set()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in rest)
+        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "") for line in rest[:-1])
+        a.join(60)
+        with engine_lock(ctl._engine):
+            ref = ctl._engine.generate([{"role": "user", "content": "abc"}], method="autoregressive", max_new_tokens=6)
+        assert text == ref.text
+    finally:
+        ctl.gate.set()
+        srv.stop()
 
 
 def test_unknown_route_and_method(live):
@@ -605,7 +730,8 @@ def test_openapi_document_is_precise():
     req = comp["CompletionRequest"]["properties"]
     assert req["max_tokens"]["anyOf"][0]["maximum"] == 8 and req["max_tokens"]["anyOf"][0]["minimum"] == 1
     assert req["n"]["anyOf"][0]["maximum"] == 1
-    assert set(comp["Speculation"]["properties"]["method"]["anyOf"][0]["enum"]) == {"auto", "autoregressive", "draft", "pld", "tree"}
+    methods = set(comp["Speculation"]["properties"]["method"]["anyOf"][0]["enum"])
+    assert methods == set(METHODS) >= {"auto", "autoregressive", "draft", "pld", "tree"}
     assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in comp
     assert set(doc["paths"]["/v1/chat/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "503"}
 

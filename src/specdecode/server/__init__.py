@@ -1,0 +1,16 @@
+"""OpenAI-compatible HTTP server: `specdecode serve` (needs the `server` extra: pip install "specdecode[server]").
+
+    specdecode serve --method draft --gamma 4            # http://127.0.0.1:8000/v1
+
+Three parts: `protocol` (request and response models: the wire format, and how bad input becomes an
+OpenAI-style error), `scheduler` (the one worker thread, its bounded FIFO queue, cancellation and
+deadlines; no HTTP) and `app` (the FastAPI routes, and `serve`).
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream false or true;
+streams are server-sent events in OpenAI's chunk format ending with `data: [DONE]`), GET /health,
+GET /metrics (Prometheus text).
+"""
+from .app import create_app, serve
+from .scheduler import engine_lock
+
+__all__ = ["create_app", "serve", "engine_lock"]

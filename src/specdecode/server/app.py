@@ -1,0 +1,453 @@
+"""The HTTP app: FastAPI routes that turn requests into Engine streams for the worker, and the worker's
+events into responses; plus `serve`, which loads the models and runs uvicorn.
+
+A request is answered in three steps: `Service.open` validates and tokenizes it once, by opening an
+Engine stream (the Engine's SpecDecodeError becomes a 400 with its message) and checking the prompt
+against the context; the stream is queued as a Job (a full queue is a 503 with Retry-After); then the
+job's events become one JSON body, or server-sent events whose headers go out at once (with
+": keep-alive" comments while the job waits in the queue).
+"""
+# No `from __future__ import annotations`: the POST routes are annotated with per-app request models.
+import ipaddress
+import logging
+import math
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response, StreamingResponse
+from fastapi.security import HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import SpecDecodeError
+from . import protocol as p
+from .protocol import APIError
+from .scheduler import Disconnected, Job, Metrics, QueueFull, Worker
+
+log = logging.getLogger("specdecode.server")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+KEEPALIVE_S = 10.0  # seconds between ": keep-alive" comments while a streamed request waits in the queue
+
+
+def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(model.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
+
+
+def error_response(err: APIError) -> Response:
+    return json_response(err.body(), err.status, err.headers)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; whatever ends the response (the end, a disconnect, an error) ends the job."""
+
+    def __init__(self, content, worker: Worker, job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.worker, self.job = worker, job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.worker.cancel(self.job)
+
+
+class Service:
+    """What the routes do: one served model, its default speculation, the worker."""
+
+    def __init__(self, engine, worker: Worker, *, model_id: str, method: str, gamma: int, max_tokens_cap: int,
+                 timeout_s: float, keepalive_s: float):
+        self.engine, self.worker, self.model_id = engine, worker, model_id
+        self.method, self.gamma, self.cap = method, gamma, max_tokens_cap
+        self.timeout_s, self.keepalive_s = timeout_s, keepalive_s
+        self.context = engine.target.max_length
+        self.created = int(time.time())
+
+    def card(self) -> p.ModelCard:
+        return p.ModelCard(id=self.model_id, created=self.created)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+    async def completions(self, body, request: Request) -> Response:
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        return await self.generate(body, request, "completions", prompt)
+
+    async def chat(self, body, request: Request) -> Response:
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        return await self.generate(body, request, "chat", [m.as_engine_message() for m in body.messages])
+
+    async def generate(self, body, request: Request, endpoint: str, prompt) -> Response:
+        self.check_model(body.model)
+        refused = p.unsupported(body)
+        if refused is not None:
+            raise refused
+        job = Job(await self.open(body, endpoint, prompt), endpoint, self.timeout_s)
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            raise APIError(503, f"the server is busy ({self.worker.max_queue} requests waiting); retry later",
+                           type="server_error", code="queue_full",
+                           headers={"Retry-After": str(self.worker.retry_after())}) from None
+        if body.stream:
+            return EventStream(self.events(job, body, endpoint), self.worker, job)
+        try:
+            async for kind, value in self.worker.events(job, request.is_disconnected):
+                if kind == "error":
+                    return error_response(value)
+                if kind == "end":
+                    return json_response(self.final(value, endpoint))
+        except Disconnected:
+            return Response(status_code=499)
+        finally:
+            self.worker.cancel(job)  # a no-op once the job has ended
+        raise AssertionError("the worker ended a job without an end or an error")
+
+    async def open(self, body, endpoint: str, prompt):
+        """The request as an Engine stream, opened (validated, tokenized) but not started."""
+        spec = body.speculation or p.Speculation()
+        chat = endpoint == "chat"
+        if body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        else:  # the Engine stops at the context, so "the room left" is the cap
+            max_tokens = min(self.cap, COMPLETIONS_DEFAULT_MAX_TOKENS) if endpoint == "completions" else self.cap
+        kwargs = dict(method=spec.method or self.method, gamma=self.gamma if spec.gamma is None else spec.gamma,
+                      max_new_tokens=max_tokens, temperature=0.0 if body.temperature is None else body.temperature,
+                      top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                      seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop, chat=chat,
+                      **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes")
+                         if getattr(spec, k) is not None})
+        param = "messages" if chat else "prompt"
+        try:
+            stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs)
+        except SpecDecodeError as e:
+            raise p.engine_error(e, param) from None
+        n = stream.stats.prompt_tokens
+        room = self.context - n
+        if room <= 0:
+            raise APIError(400, f"the prompt has {n} tokens; the model's context holds {self.context}, so no token "
+                                "can be generated", param=param, code="context_length_exceeded")
+        if body.max_tokens is not None and body.max_tokens > room:
+            raise APIError(400, f"the prompt has {n} tokens and max_tokens is {body.max_tokens}, but the model's "
+                                f"context holds {self.context} tokens; ask for at most {room}",
+                           param="max_tokens", code="context_length_exceeded")
+        return stream
+
+    def _open_stream(self, prompt, kwargs):
+        # Opening a stream reads only the tokenizer, except that the tree and auto methods measure the pass
+        # costs on first use (once per machine): that runs the models, so it waits for the worker.
+        if kwargs["method"] in ("tree", "auto") and getattr(self.engine, "costs", None) is None:
+            with self.worker.lock:
+                return self.engine.stream(prompt, **kwargs)
+        return self.engine.stream(prompt, **kwargs)
+
+    def final(self, end, endpoint: str) -> BaseModel:
+        usage = p.Usage.of(end.prompt_tokens, end.completion_tokens)
+        if endpoint == "chat":
+            return p.ChatCompletionResponse(
+                id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
+                choices=[p.ChatChoice(message=p.AssistantMessage(content=end.text), finish_reason=end.finish_reason)],
+                speculation=end.speculation)
+        return p.CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
+            choices=[p.CompletionChoice(text=end.text, finish_reason=end.finish_reason)], speculation=end.speculation)
+
+    async def events(self, job: Job, body, endpoint: str):
+        """The job as server-sent events: keep-alive comments while it waits, a chunk per delta, the last chunk
+        with finish_reason, usage and speculation, then `data: [DONE]`."""
+        chat = endpoint == "chat"
+        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
+                    model=self.model_id)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(text: str | None = None, finish: str | None = None, **extra) -> BaseModel:
+            if chat:
+                delta = p.ChatDelta() if text is None else p.ChatDelta(content=text)
+                return p.ChatCompletionChunk(**head, **extra,
+                                             choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish)])
+            return p.CompletionChunk(**head, **extra,
+                                     choices=[p.CompletionChunkChoice(text=text or "", finish_reason=finish)])
+
+        if chat:
+            yield p.sse(p.ChatCompletionChunk(**head, choices=[
+                p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""))]))
+        async for kind, value in self.worker.events(job, keepalive_s=self.keepalive_s):
+            if kind == "wait":
+                yield p.SSE_KEEPALIVE
+            elif kind == "delta":
+                yield p.sse(chunk(value))
+            elif kind == "end":
+                usage = p.Usage.of(value.prompt_tokens, value.completion_tokens)
+                yield p.sse(chunk(None, value.finish_reason, usage=usage, speculation=value.speculation))
+                if include_usage:
+                    last = p.ChatCompletionChunk if chat else p.CompletionChunk
+                    yield p.sse(last(**head, choices=[], usage=usage))
+            else:  # an error after the stream began
+                yield p.sse(value.body())
+        yield p.SSE_DONE
+
+
+class Gate:
+    """ASGI middleware: the API key check on /v1/* (before the body is even parsed) and request counting."""
+
+    ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/openapi.json",
+              "/docs"}
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+        self.key = None if api_key is None else f"bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.key is not None and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(scope):
+                err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error_response(err)(scope, receive, send_status)
+            else:
+                await self.app(scope, receive, send_status)
+        finally:
+            route = path if path in self.ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
+                                                      else "other")
+            self.metrics.requests.labels(route=route, status=str(status[0])).inc()
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return secrets.compare_digest(scheme.lower() + b" " + token.strip(), self.key)
+        return False
+
+
+# -- routes: each gets the app's Service from request.app.state ---------------------------------------------------------
+ERRORS = {400: {"model": p.ErrorBody, "description": "invalid request"},
+          401: {"model": p.ErrorBody, "description": "missing or wrong API key"},
+          404: {"model": p.ErrorBody, "description": "unknown model"},
+          503: {"model": p.ErrorBody, "description": "queue full or timed out waiting; see Retry-After"}}
+SSE_DOC = {"text/event-stream": {"schema": {"type": "object"}}}  # filled in by _openapi
+
+
+async def health(request: Request):
+    s: Service = request.app.state.service
+    return json_response(p.Health(model=s.model_id, busy=s.worker.busy, queued=s.worker.queued))
+
+
+async def prometheus_metrics(request: Request):
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def list_models(request: Request):
+    return json_response(p.ModelList(data=[request.app.state.service.card()]))
+
+
+async def get_model(model: str, request: Request):
+    s: Service = request.app.state.service
+    s.check_model(model)
+    return json_response(s.card())
+
+
+def _add_routes(app: FastAPI, service: Service, api_key: str | None) -> None:
+    bearer = [Depends(HTTPBearer(auto_error=False))] if api_key is not None else []  # documents the scheme
+    CompletionRequest, ChatCompletionRequest = p.request_models(service.cap)
+
+    async def completions(body: CompletionRequest, request: Request):  # typed per app: its max_tokens bound
+        return await service.completions(body, request)
+
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await service.chat(body, request)
+
+    app.add_api_route("/health", health, methods=["GET"], response_model=p.Health, tags=["server"])
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["server"], response_class=Response,
+                      responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                       "description": "Prometheus text format"}})
+    app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=p.ModelList, dependencies=bearer,
+                      tags=["openai"], responses={401: ERRORS[401]})
+    app.add_api_route("/v1/models/{model:path}", get_model, methods=["GET"], response_model=p.ModelCard,
+                      dependencies=bearer, tags=["openai"], responses={401: ERRORS[401], 404: ERRORS[404]})
+    app.add_api_route("/v1/completions", completions, methods=["POST"], response_model=p.CompletionResponse,
+                      dependencies=bearer, tags=["openai"],
+                      responses={**ERRORS, 200: {"content": SSE_DOC, "description": "a completion, or events when stream"}})
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
+                      response_model=p.ChatCompletionResponse, dependencies=bearer, tags=["openai"],
+                      responses={**ERRORS, 200: {"content": SSE_DOC,
+                                                 "description": "a chat completion, or events when stream"}})
+
+
+async def _api_error(request, exc: APIError):
+    return error_response(exc)
+
+
+async def _invalid(request, exc: RequestValidationError):
+    return error_response(p.validation_error(exc.errors()))
+
+
+async def _http_error(request, exc: StarletteHTTPException):
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)))
+
+
+async def _crash(request, exc: Exception):
+    log.exception("unhandled error")
+    return error_response(APIError(500, "internal server error", type="server_error", code="internal_error"))
+
+
+def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, api_key: str | None = None,
+               max_queue: int = 16, timeout_s: float = 300, max_tokens_cap: int | None = None,
+               keepalive_s: float = KEEPALIVE_S) -> FastAPI:
+    """An OpenAI-compatible app around `engine`.
+
+    model_id: the name clients must send as `model`. method/gamma: the default speculation (a request may
+    override both with `speculation: {"method", "gamma"}`; the Engine checks them per request). api_key:
+    required as `Authorization: Bearer <key>` on /v1/* when set. max_queue: requests that may wait while one
+    generates (more get 503). timeout_s: the longest a request may take, waiting included. max_tokens_cap: the
+    largest max_tokens accepted (default and upper bound: the model's context). keepalive_s: seconds between
+    keep-alive comments on a stream that waits in the queue.
+    """
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= p.MAX_GAMMA:
+        raise SpecDecodeError(f"gamma must be an integer in 1..{p.MAX_GAMMA} (this server's limit), got {gamma!r}")
+    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+        raise SpecDecodeError(f"max_queue must be a positive integer, got {max_queue!r}")
+    for name, value in (("timeout", timeout_s), ("keepalive_s", keepalive_s)):
+        if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+            raise SpecDecodeError(f"{name} must be a positive number of seconds, got {value!r}")
+    if api_key is not None and not api_key:
+        raise SpecDecodeError("the API key must not be empty")
+    context = engine.target.max_length
+    cap = context if max_tokens_cap is None else max(1, min(int(max_tokens_cap), context))
+    metrics = Metrics(model_id, method, gamma)
+    worker = Worker(engine, max_queue, metrics)
+    service = Service(engine, worker, model_id=model_id, method=method, gamma=gamma, max_tokens_cap=cap,
+                      timeout_s=timeout_s, keepalive_s=keepalive_s)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(worker.stop)
+
+    app = FastAPI(title="specdecode", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible completions with lossless speculative decoding. "
+                              "Extension: `speculation` in requests (method, gamma) and responses (stats).")
+    app.state.service, app.state.engine, app.state.worker, app.state.metrics = service, engine, worker, metrics
+    app.state.model_id, app.state.engine_lock = model_id, worker.lock
+    app.add_middleware(Gate, api_key=api_key, metrics=metrics)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _crash)
+    _add_routes(app, service, api_key)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, less the 422 responses it adds by default (validation errors are 400 here), plus
+    the schema of each server-sent event."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        # Each server-sent event: `data:` holds a JSON chunk (or an error object), and the last one `[DONE]`.
+        _, defs = models_json_schema([(p.CompletionChunk, "serialization"), (p.ChatCompletionChunk, "serialization"),
+                                      (p.ErrorBody, "serialization")], ref_template="#/components/schemas/{model}")
+        for name, definition in defs.get("$defs", {}).items():
+            components.setdefault(name, definition)
+        for path, chunk in (("/v1/completions", "CompletionChunk"), ("/v1/chat/completions", "ChatCompletionChunk")):
+            op = schema.get("paths", {}).get(path, {}).get("post")
+            if op is None:
+                continue
+            data = {"oneOf": [{"const": "[DONE]"},
+                              {"contentMediaType": "application/json",
+                               "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{chunk}"},
+                                                           {"$ref": "#/components/schemas/ErrorBody"}]},
+                               "not": {"const": "[DONE]"}}]}
+            op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {
+                "type": "object", "required": ["data"], "properties": {"data": data},
+                "description": "one server-sent event, when `stream` is true"}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args) -> None:
+    """`specdecode serve`: load the models, then run uvicorn until interrupted."""
+    import os
+    import sys
+
+    import uvicorn
+
+    from ..engine import Engine
+    from ..models import DEFAULT_TARGET
+    # the server's own settings, checked before a model load that can take a minute
+    if not 0 <= args.port <= 65535:
+        raise SpecDecodeError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise SpecDecodeError(f"--max-queue must be positive, got {args.max_queue}")
+    if not args.timeout > 0 or math.isinf(args.timeout):
+        raise SpecDecodeError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not 1 <= args.gamma <= p.MAX_GAMMA:
+        raise SpecDecodeError(f"--gamma must be in 1..{p.MAX_GAMMA} (this server's limit), got {args.gamma}")
+    if args.method == "draft" and args.target is not None and args.draft is None:
+        raise SpecDecodeError("method 'draft' needs a draft model (--draft); or use --method pld / autoregressive")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
+    if args.api_key is not None and not args.api_key:
+        raise SpecDecodeError("--api-key must not be empty")
+    model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
+    engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+                         threads=args.threads, with_draft=args.method in ("draft", "tree", "auto") or args.draft is not None,
+                         draft_quant=args.draft_quant)
+    if args.method in ("tree", "auto"):
+        engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
+    app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
+                     max_queue=args.max_queue, timeout_s=args.timeout)
+    if not _is_loopback(args.host) and api_key is None:
+        sys.stderr.write(f"specdecode: warning: listening on {args.host} without an API key (--api-key)\n")
+    sys.stderr.write(f"specdecode: serving {model_id!r} at http://{args.host}:{args.port}/v1 "
+                     f"(method {args.method}, gamma {args.gamma}, backend {engine.backend})\n")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def _model_name(target: str) -> str:
+    from pathlib import Path
+    path = Path(target)
+    return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else target)

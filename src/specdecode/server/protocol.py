@@ -1,0 +1,349 @@
+"""The wire format: request and response models (every response body is serialised through them), the
+OpenAI error shape, and how bad input becomes an error.
+
+Bounds on values the Engine checks (temperature >= 0, top_p in (0, 1], gamma >= 1, stop strings not
+empty, ...) are not repeated here: the Engine's SpecDecodeError becomes a 400 with its own message
+(engine_error). What stays here is the protocol itself: types, OpenAI's own limits (temperature <= 2,
+4 stop strings, n = 1), what this server allows a request to ask for (max_tokens, gamma and tree caps),
+and the OpenAI fields it does not implement.
+"""
+# No `from __future__ import annotations`: request_models builds classes at run time, and pydantic must
+# resolve their annotations where they are created.
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine import METHODS
+from ..errors import SpecDecodeError
+
+MAX_GAMMA = 32  # draft tokens per target pass a request may ask for (a server's limit; the Engine has none)
+MAX_TREE = 256  # tree width / nodes per pass a request may ask for (likewise)
+STOP_MAX = 4  # stop strings per request, as in OpenAI's API
+
+
+def _omit_none(value) -> bool:
+    return value is None
+
+
+OMIT = dict(default=None, exclude_if=_omit_none)  # an optional field that is left out of the JSON when unset
+
+
+# -- requests ---------------------------------------------------------------------------------------------------------
+class Speculation(BaseModel):
+    """specdecode extension: how to speculate for this request (defaults: the server's)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    method: Literal[METHODS] | None = Field(
+        None, description="autoregressive (no speculation), draft (draft model), pld (prompt lookup), tree (a token "
+                          "tree from the draft model and prompt lookup, shaped by a cost model) or auto (the cost "
+                          "model picks per step)")
+    gamma: int | None = Field(None, le=MAX_GAMMA, description="draft tokens per target forward pass (chains)")
+    tree_width: int | None = Field(None, le=MAX_TREE, description="tree: children per node (default: cost model)")
+    tree_depth: int | None = Field(None, le=MAX_GAMMA, description="tree: depth (default: cost model)")
+    tree_nodes: int | None = Field(None, le=MAX_TREE, description="tree: nodes per pass (default: cost model)")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool | None = Field(None, description="send a last chunk with `usage` and no choices")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_engine_message(self) -> dict:
+        """The Engine's form: developer messages are system messages, text parts are joined by newlines."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+def request_models(max_tokens_cap: int):
+    """(CompletionRequest, ChatCompletionRequest) whose max_tokens bound is this app's (the model's context,
+    or less). Fields that OpenAI defines and this server does not implement are kept (extra="allow") so that
+    unsupported() can refuse them; other unknown fields are ignored."""
+    MaxTokens = Annotated[int | None, Field(None, ge=1, le=max_tokens_cap,
+                                            description=f"tokens to generate, at most {max_tokens_cap}; "
+                                                        "prompt + max_tokens must fit in the context")]
+
+    class _Common(BaseModel):
+        model_config = ConfigDict(strict=True, extra="allow")
+        model: str = Field(description="the served model id (GET /v1/models)")
+        max_tokens: MaxTokens = None
+        temperature: float | None = Field(None, le=2, description="0 = greedy (the default, unlike OpenAI's 1); "
+                                                                   "at most 2, as in OpenAI's API")
+        top_p: float | None = Field(None, description="nucleus mass in (0, 1], default 1")
+        top_k: int | None = Field(None, description="extension: 0 = off (default)")
+        seed: int | None = Field(None, description="seed for sampling (any integer; used modulo 2**64)")
+        stop: str | Annotated[list[str], Field(max_length=STOP_MAX)] | None = Field(
+            None, description=f"up to {STOP_MAX} stop strings; the text ends before the first one")
+        n: int | None = Field(None, ge=1, le=1, description="number of choices: only 1 is supported")
+        stream: bool | None = Field(False, description="stream server-sent events, ending with `data: [DONE]`")
+        stream_options: StreamOptions | None = None
+        speculation: Speculation | None = None
+
+    class CompletionRequest(_Common):
+        prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
+            description="the prompt: a string (or a list holding one string)")
+
+    class ChatCompletionRequest(_Common):
+        messages: list[ChatMessage]
+        max_completion_tokens: MaxTokens = None
+
+    return CompletionRequest, ChatCompletionRequest
+
+
+# OpenAI request fields this server does not implement, each with the values that ask for nothing (accepted).
+UNSUPPORTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
+
+
+def _same(a, b) -> bool:
+    """JSON equality: 0 == 0.0, but False is not 0."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
+def unsupported(body: BaseModel) -> "APIError | None":
+    """A 400 for the first OpenAI field in the request that asks for something this server does not do."""
+    for name, value in (body.model_extra or {}).items():
+        harmless = UNSUPPORTED.get(name)
+        if harmless is not None and not any(_same(value, ok) for ok in harmless):
+            allowed = " or ".join(json.dumps(ok) for ok in harmless)
+            return APIError(400, f"{name} is not supported by this server (send {allowed}, or leave it out)",
+                            param=name, code="unsupported_parameter")
+    return None
+
+
+# -- responses --------------------------------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+FinishReason = Literal["stop", "length"]
+SPECULATION_DOC = ("specdecode extension: the generation's statistics (Stats.as_dict(): method, gamma, drafted, "
+                   "accepted, acceptance_rate, accepted_per_position, mean_accepted_tokens, timings, finish_reason)")
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    speculation: dict[str, Any] = Field(description=SPECULATION_DOC)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    speculation: dict[str, Any] = Field(description=SPECULATION_DOC)
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion; the last one carries finish_reason, usage, speculation."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(**OMIT)
+    speculation: dict[str, Any] | None = Field(**OMIT, description=SPECULATION_DOC)
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(**OMIT)
+    content: str | None = Field(**OMIT)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion; the last one with choices carries finish_reason,
+    usage and speculation (with stream_options.include_usage, one more follows: no choices, usage)."""
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(**OMIT)
+    speculation: dict[str, Any] | None = Field(**OMIT, description=SPECULATION_DOC)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specdecode"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    busy: bool
+    queued: int
+
+
+def sse(model: BaseModel) -> str:
+    """One server-sent event carrying a response model."""
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_KEEPALIVE = ": keep-alive\n\n"  # a comment line: clients ignore it, proxies see a live connection
+
+
+# -- errors -----------------------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered in OpenAI's shape, {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+# The request field an Engine message is about: the Engine names its own arguments in its messages.
+# Checked in order; the first match wins.
+_ENGINE_FIELDS = [
+    (r"applies to method", "speculation"),  # a tree dimension with another method: the two fields together
+    (r"\btree_width\b", "speculation.tree_width"),
+    (r"\btree_depth\b", "speculation.tree_depth"),
+    (r"\btree_nodes\b", "speculation.tree_nodes"),
+    (r"\bgamma\b", "speculation.gamma"),
+    (r"\btemperature\b", "temperature"),
+    (r"\btop_k\b", "top_k"),
+    (r"\btop_p\b", "top_p"),
+    (r"\bmax_new_tokens\b", "max_tokens"),
+    (r"\bstop strings?\b", "stop"),
+    (r"\bmethod\b", "speculation.method"),
+    (r"\bprompt\b|\bmessages\b|chat template", "{prompt}"),
+]
+
+
+def engine_error(e: SpecDecodeError, prompt_param: str = "prompt") -> APIError:
+    """The Engine's rejection of the request, as a 400 with the Engine's message."""
+    message = " ".join(str(e).split())
+    param = next((p for pattern, p in _ENGINE_FIELDS if re.search(pattern, message)), None)
+    return APIError(400, message, param=param and param.format(prompt=prompt_param), code="invalid_value")
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """pydantic's errors for a request body as one 400: the first error per field, up to four."""
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON{': ' + str(detail) if detail else ''}",
+                        code="invalid_json")
+    parts: dict[str, str] = {}  # param -> message: the first error per place (unions report one per member)
+    for err in errors:
+        loc = list(err.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        path = ".".join(str(x) for x in loc if not _is_type_tag(x))
+        if path in parts:
+            continue
+        if path:
+            parts[path] = f"{path}: {err.get('msg', 'invalid value')}"
+        elif err.get("type") == "missing":
+            parts[path] = "the request body is missing: send a JSON object"
+        else:
+            parts[path] = "the request body must be a JSON object"
+    messages = list(parts.values())
+    text = "; ".join(messages[:4]) + (f"; and {len(messages) - 4} more" if len(messages) > 4 else "")
+    code = "missing_field" if first.get("type") == "missing" else "invalid_value"
+    return APIError(400, text, param=next(iter(parts)) or None, code=code)
+
+
+def _is_type_tag(x) -> bool:
+    """pydantic puts union member names into error locations ('str', 'list[str]', ...)."""
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or any(c in x for c in "[-"))

@@ -1,0 +1,336 @@
+"""The worker: one thread runs the Engine, fed by a bounded first-come-first-served queue of jobs.
+
+The Engine is not thread-safe (one KV cache per model), so every generation runs on this one thread.
+A job is an Engine TextStream that the request handler already opened (validated and tokenized) but
+that has not started. The worker iterates it and hands each event to the job's asyncio queue
+(loop.call_soon_threadsafe): ("delta", text) for each piece of text, then ("end", End) or
+("error", APIError). Worker.events reads them on the request's side; nothing here knows about HTTP.
+
+Cancellation: a waiting job is taken out of the queue; a running one stops at its next delta.
+Deadlines: a job still waiting at its deadline gets a 503 (Worker.events); a running job that
+passes it ends with finish_reason "length" ("timeout" in its speculation stats).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..errors import SpecDecodeError
+from .protocol import APIError, engine_error
+
+log = logging.getLogger("specdecode.server")
+
+POLL_S = 0.25  # how often a waiting request checks its client and its deadline
+
+_ENGINE_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_ENGINE_LOCKS_GUARD = threading.Lock()
+
+
+def engine_lock(engine) -> threading.Lock:
+    """The lock held while `engine` generates. Apps built around the same Engine share it, and code
+    that calls the engine directly while a server around it is running must hold it too."""
+    with _ENGINE_LOCKS_GUARD:
+        lock = _ENGINE_LOCKS.get(engine)
+        if lock is None:
+            lock = _ENGINE_LOCKS[engine] = threading.Lock()
+        return lock
+
+
+class Metrics:
+    """Prometheus metrics in their own CollectorRegistry (several apps can live in one process)."""
+
+    def __init__(self, model_id: str, method: str, gamma: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specdecode_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.generations = Counter("specdecode_generations", "generations by finish reason "
+                                   "(stop, length, timeout, cancelled, error)", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("specdecode_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("specdecode_generated_tokens", "tokens generated", registry=r)
+        self.drafted_tokens = Counter("specdecode_drafted_tokens", "draft tokens proposed", ["method"], registry=r)
+        self.accepted_tokens = Counter("specdecode_accepted_tokens", "draft tokens accepted", ["method"],
+                                       registry=r)
+        self.drafted_by_position = Counter("specdecode_drafted_by_position", "draft tokens proposed at draft "
+                                           "position i (0 = first)", ["position"], registry=r)
+        self.accepted_by_position = Counter("specdecode_accepted_by_position", "draft tokens accepted at draft "
+                                            "position i; acceptance at i = accepted / drafted", ["position"],
+                                            registry=r)
+        latency_buckets = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+        self.ttft = Histogram("specdecode_time_to_first_token_seconds", "from request arrival to the first text",
+                              buckets=latency_buckets, registry=r)
+        self.latency = Histogram("specdecode_request_latency_seconds", "from request arrival to the end of its "
+                                 "generation", ["endpoint"], buckets=latency_buckets, registry=r)
+        self.queue_wait = Histogram("specdecode_queue_wait_seconds", "time a request waited for the worker",
+                                    buckets=latency_buckets, registry=r)
+        self.queued = Gauge("specdecode_queue_depth", "requests waiting for the worker", registry=r)
+        self.busy = Gauge("specdecode_worker_busy", "1 while the worker is generating", registry=r)
+        info = Gauge("specdecode_server_info", "served model and default speculation",
+                     ["model", "method", "gamma"], registry=r)
+        info.labels(model=model_id, method=method, gamma=str(gamma)).set(1)
+
+    def record(self, stats, endpoint: str, arrival: float, finish: str, ttft_seen: bool) -> None:
+        now = time.monotonic()
+        if not ttft_seen:
+            self.ttft.observe(now - arrival)
+        self.latency.labels(endpoint=endpoint).observe(now - arrival)
+        self.generations.labels(finish_reason=finish).inc()
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generated_tokens.inc(stats.new_tokens)
+        self.drafted_tokens.labels(method=stats.method).inc(stats.drafted)
+        self.accepted_tokens.labels(method=stats.method).inc(stats.accepted)
+        for i, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
+            self.drafted_by_position.labels(position=str(i)).inc(d)
+            self.accepted_by_position.labels(position=str(i)).inc(a)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Disconnected(Exception):
+    """The client went away while its request waited for an event."""
+
+
+@dataclass
+class End:
+    """The last event of a generation that ran to its end."""
+    text: str
+    finish_reason: str  # "stop" | "length" (OpenAI's)
+    prompt_tokens: int
+    completion_tokens: int
+    speculation: dict  # Stats.as_dict(), plus queue_s; finish_reason "timeout" when the deadline cut it
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
+class Job:
+    """One request's generation: an opened, not yet started TextStream, and the queue its events go to.
+    Create it on the event loop that reads its events."""
+
+    def __init__(self, stream, endpoint: str, timeout_s: float):
+        self.stream, self.endpoint = stream, endpoint
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()  # set when the client is gone (or the server shuts down)
+        self.started = False  # the worker took it out of the queue
+        self.shutdown = False
+        self.arrival = time.monotonic()
+        self.deadline = self.arrival + timeout_s
+
+    def push(self, event: tuple) -> None:
+        """From the worker thread: hand an event to the request's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled.set()
+
+
+class Worker:
+    """The one thread that runs the engine, fed by a bounded FIFO of jobs."""
+
+    def __init__(self, engine, max_queue: int, metrics: Metrics):
+        self.max_queue, self.metrics = max_queue, metrics
+        self.lock = engine_lock(engine)
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._current: Job | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._mean_s = 1.0  # moving average of job durations, for Retry-After
+        metrics.queued.set_function(lambda: len(self._waiting))
+        metrics.busy.set_function(lambda: self._current is not None)
+
+    @property
+    def queued(self) -> int:
+        with self._cv:
+            return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        with self._cv:
+            return self._current is not None
+
+    def retry_after(self) -> int:
+        """Seconds until a place is likely free: the mean job time, times the jobs ahead."""
+        with self._cv:
+            ahead = len(self._waiting) + (self._current is not None)
+        return max(1, min(600, math.ceil(self._mean_s * ahead)))
+
+    def queue_timeout(self) -> APIError:
+        return APIError(503, "the request waited in the queue longer than the server's timeout", type="server_error",
+                        code="timeout", headers={"Retry-After": str(self.retry_after())})
+
+    # -- the request side ---------------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue the job; QueueFull when max_queue jobs wait already."""
+        with self._cv:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull
+            self._waiting.append(job)
+            self._stopping = False  # a server that stopped and starts again (same app) serves again
+            self._ensure_thread()
+            self._cv.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: drop the job if it waits, stop it at its next delta if it runs; a no-op once
+        it ended."""
+        job.cancelled.set()
+        self.withdraw(job)
+
+    def withdraw(self, job: Job) -> bool:
+        """Take a job out of the queue if it is still waiting there (True), else leave it alone."""
+        with self._cv:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return False
+            job.cancelled.set()
+            self._cv.notify_all()
+            return True
+
+    async def events(self, job: Job, disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     keepalive_s: float | None = None) -> AsyncIterator[tuple]:
+        """The job's events up to and including its end or error. While none comes it checks, every POLL_S,
+        whether the client went away (`disconnected`: then the job is cancelled and Disconnected raised) and
+        whether the job is still queued at its deadline (then it is withdrawn and a 503 is the last event);
+        with keepalive_s, ("wait", None) comes every keepalive_s seconds while the job waits in the queue."""
+        quiet_since = time.monotonic()
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if event is None:
+                if disconnected is not None and await disconnected():
+                    self.cancel(job)
+                    raise Disconnected
+                now = time.monotonic()
+                if now > job.deadline and self.withdraw(job):
+                    self.metrics.generations.labels(finish_reason="timeout").inc()
+                    yield ("error", self.queue_timeout())
+                    return
+                if keepalive_s is not None and not job.started and now - quiet_since >= keepalive_s:
+                    quiet_since = now
+                    yield ("wait", None)
+                continue
+            yield event
+            if event[0] != "delta":
+                return
+
+    # -- the worker thread --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._cv:
+            self._ensure_thread()
+
+    def _ensure_thread(self) -> None:  # holds _cv
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="specdecode-worker", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse the waiting jobs (503), stop the running one at its next delta, end the thread."""
+        with self._cv:
+            self._stopping = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            if self._current is not None:
+                self._current.shutdown = True
+                self._current.cancelled.set()
+            thread = self._thread
+            self._cv.notify_all()
+        for job in waiting:
+            job.push(("error", shutting_down()))
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def wait_idle(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._current is not None or self._waiting:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self._current = self._waiting.popleft()
+                job.started = True
+            t0 = time.monotonic()
+            try:
+                self._run(job)
+            except Exception:  # never let the worker die
+                log.exception("generation failed")
+                self.metrics.generations.labels(finish_reason="error").inc()
+                job.push(("error", APIError(500, "internal error during generation", type="server_error",
+                                            code="internal_error")))
+            finally:
+                self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - t0)
+                with self._cv:
+                    self._current = None
+                    self._cv.notify_all()
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            return
+        start = time.monotonic()
+        self.metrics.queue_wait.observe(start - job.arrival)
+        if start > job.deadline:
+            self.metrics.generations.labels(finish_reason="timeout").inc()
+            job.push(("error", self.queue_timeout()))
+            return
+        parts: list[str] = []
+        reason = None  # why the worker ended the generation early: "cancelled" or "timeout"
+        with self.lock:
+            gen = iter(job.stream)
+            try:
+                for delta in gen:
+                    if not parts:
+                        self.metrics.ttft.observe(time.monotonic() - job.arrival)
+                    parts.append(delta)
+                    job.push(("delta", delta))
+                    if job.cancelled.is_set():
+                        reason = "cancelled"
+                        break
+                    if time.monotonic() > job.deadline:
+                        reason = "timeout"
+                        break
+            except SpecDecodeError as e:  # raised before the first token (e.g. the context cannot hold the prompt)
+                self.metrics.generations.labels(finish_reason="error").inc()
+                job.push(("error", engine_error(e)))
+                return
+            finally:
+                gen.close()  # stops the generation loop and times it
+        stats = job.stream.stats
+        finish = reason or ("length" if stats.finish_reason == "length" else "stop")
+        self.metrics.record(stats, job.endpoint, job.arrival, finish, ttft_seen=bool(parts))
+        if reason == "cancelled":
+            if job.shutdown:
+                job.push(("error", shutting_down()))
+            return
+        spec = stats.as_dict()
+        if reason == "timeout":
+            spec["finish_reason"] = "timeout"
+        spec["queue_s"] = start - job.arrival
+        result = job.stream.result
+        job.push(("end", End(text=result.text if result is not None else "".join(parts),
+                             finish_reason="length" if finish in ("length", "timeout") else "stop",
+                             prompt_tokens=stats.prompt_tokens, completion_tokens=stats.new_tokens,
+                             speculation=spec)))

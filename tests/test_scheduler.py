@@ -1,0 +1,225 @@
+"""The server's worker and queue on their own: no app, no HTTP. Jobs carry fake streams that yield
+given deltas, optionally held at a gate, so order, cancellation and deadlines are under control."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from specdecode.engine import Generation, Stats
+from specdecode.errors import SpecDecodeError
+from specdecode.server.scheduler import Disconnected, End, Job, Metrics, QueueFull, Worker
+
+
+class FakeStream:
+    """What Engine.stream returns, reduced to what the worker uses: iteration, .stats, .result."""
+
+    def __init__(self, deltas, gate: threading.Event | None = None, delay: float = 0.0, error: str | None = None):
+        self.deltas, self.gate, self.delay, self.error = list(deltas), gate, delay, error
+        self.stats = Stats(method="pld", prompt_tokens=3)
+        self.result = None
+        self.started = threading.Event()
+        self.closed = False
+
+    def __iter__(self):
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        if self.error:
+            raise SpecDecodeError(self.error)
+        try:
+            for d in self.deltas:
+                self.stats.new_tokens += 1
+                yield d
+                time.sleep(self.delay)
+            self.stats.finish_reason = "length"
+            self.result = Generation("".join(self.deltas), list(range(len(self.deltas))), self.stats)
+        finally:
+            self.closed = True
+
+
+class NoEngine:
+    """The worker only takes the engine's lock: the jobs bring their streams."""
+
+
+@pytest.fixture
+def worker():
+    w = Worker(NoEngine(), max_queue=2, metrics=Metrics("m", "pld", 2))
+    yield w
+    w.stop()
+
+
+def generations(w: Worker, reason: str) -> float:
+    return w.metrics.generations.labels(finish_reason=reason)._value.get()
+
+
+async def collect(w: Worker, job: Job, **kw) -> list[tuple]:
+    return [e async for e in w.events(job, **kw)]
+
+
+def test_jobs_run_in_order_and_end_with_their_text(worker):
+    async def main():
+        streams = [FakeStream([f"{i}a", f"{i}b"]) for i in range(3)]
+        jobs = [Job(s, "completions", 60) for s in streams]
+        worker.max_queue = 3
+        for j in jobs:
+            worker.submit(j)
+        return [await collect(worker, j) for j in jobs]
+
+    for i, events in enumerate(asyncio.run(main())):
+        assert events[:2] == [("delta", f"{i}a"), ("delta", f"{i}b")]
+        kind, end = events[2]
+        assert kind == "end" and isinstance(end, End)
+        assert (end.text, end.finish_reason, end.prompt_tokens, end.completion_tokens) == (f"{i}a{i}b", "length", 3, 2)
+        assert end.speculation["method"] == "pld" and end.speculation["queue_s"] >= 0
+    assert generations(worker, "length") == 3
+
+
+def test_full_queue_refuses_and_retry_after_counts_the_jobs_ahead(worker):
+    async def main():
+        gate = threading.Event()
+        running = FakeStream(["x"], gate)
+        jobs = [Job(running, "completions", 60), Job(FakeStream(["y"]), "completions", 60),
+                Job(FakeStream(["z"]), "completions", 60)]
+        worker.submit(jobs[0])
+        assert await asyncio.to_thread(running.started.wait, 10)
+        worker.submit(jobs[1])
+        worker.submit(jobs[2])
+        assert worker.busy and worker.queued == 2
+        with pytest.raises(QueueFull):
+            worker.submit(Job(FakeStream(["w"]), "completions", 60))
+        assert worker.retry_after() == 3  # the mean job time starts at 1 s; one running, two waiting
+        gate.set()
+        return [await collect(worker, j) for j in jobs]
+
+    assert [e[-1][1].text for e in asyncio.run(main())] == ["x", "y", "z"]
+
+
+def test_cancel_while_waiting_frees_the_place_and_never_runs(worker):
+    async def main():
+        gate = threading.Event()
+        first, second = FakeStream(["a"], gate), FakeStream(["b"])
+        a, b = Job(first, "completions", 60), Job(second, "completions", 60)
+        worker.submit(a)
+        assert await asyncio.to_thread(first.started.wait, 10)
+        worker.submit(b)
+        worker.cancel(b)
+        assert worker.queued == 0
+        gate.set()
+        await collect(worker, a)
+        assert await asyncio.to_thread(worker.wait_idle, 10)
+        return second
+
+    assert not asyncio.run(main()).started.is_set()
+
+
+def test_cancel_while_running_stops_at_the_next_delta(worker):
+    async def main():
+        stream = FakeStream([str(i) for i in range(1000)], delay=0.005)
+        job = Job(stream, "completions", 60)
+        worker.submit(job)
+        seen = []
+        async for kind, value in worker.events(job):
+            seen.append(value)
+            if len(seen) == 3:
+                worker.cancel(job)
+                break
+        assert await asyncio.to_thread(worker.wait_idle, 10)
+        return stream
+
+    stream = asyncio.run(main())
+    assert stream.closed and stream.stats.new_tokens < 1000
+    assert generations(worker, "cancelled") == 1
+
+
+def test_a_client_that_goes_away_while_waiting_cancels_its_job(worker):
+    async def main():
+        gate = threading.Event()
+        first = FakeStream(["a"], gate)
+        worker.submit(Job(first, "completions", 60))
+        assert await asyncio.to_thread(first.started.wait, 10)
+        job = Job(FakeStream(["b"]), "completions", 60)
+        worker.submit(job)
+
+        async def gone():
+            return True
+
+        with pytest.raises(Disconnected):
+            await collect(worker, job, disconnected=gone)
+        assert worker.queued == 0 and job.cancelled.is_set()
+        gate.set()
+
+    asyncio.run(main())
+
+
+def test_deadlines(worker):
+    async def main():
+        # running past the deadline: ends early, finish_reason length, "timeout" in the stats
+        slow = FakeStream([str(i) for i in range(1000)], delay=0.005)
+        events = await collect(worker, _submit(worker, Job(slow, "completions", 0.3)))
+        kind, end = events[-1]
+        assert kind == "end" and end.finish_reason == "length" and end.speculation["finish_reason"] == "timeout"
+        assert 0 < end.completion_tokens < 1000
+        # waiting past the deadline: a 503 with Retry-After, and the job is out of the queue
+        gate = threading.Event()
+        _submit(worker, Job(FakeStream(["a"], gate), "completions", 60))
+        waiting = _submit(worker, Job(FakeStream(["b"]), "completions", 0.3))
+        events = await collect(worker, waiting)
+        gate.set()
+        return events
+
+    (kind, err), = asyncio.run(main())
+    assert kind == "error" and err.status == 503 and err.code == "timeout" and int(err.headers["Retry-After"]) >= 1
+    assert worker.queued == 0 and generations(worker, "timeout") == 2
+
+
+def _submit(worker: Worker, job: Job) -> Job:
+    worker.submit(job)
+    return job
+
+
+def test_keepalive_ticks_only_while_waiting(worker):
+    async def main():
+        gate = threading.Event()
+        first = FakeStream(["a"], gate)
+        _submit(worker, Job(first, "completions", 60))
+        job = _submit(worker, Job(FakeStream(["b", "c"], delay=0.4), "completions", 60))
+        kinds = []
+        async for kind, _ in worker.events(job, keepalive_s=0.3):
+            kinds.append(kind)
+            if kinds.count("wait") == 2:
+                gate.set()
+        return kinds
+
+    kinds = asyncio.run(main())
+    assert kinds[:2] == ["wait", "wait"] and kinds[2:] == ["delta", "delta", "end"]  # none while it runs
+
+
+def test_engine_error_at_the_start_is_a_400_and_the_worker_goes_on(worker):
+    async def main():
+        bad = await collect(worker, _submit(worker, Job(FakeStream([], error="the prompt has 9 tokens; the model's "
+                                                                          "context holds 8"), "completions", 60)))
+        good = await collect(worker, _submit(worker, Job(FakeStream(["ok"]), "completions", 60)))
+        return bad, good
+
+    bad, good = asyncio.run(main())
+    (kind, err), = bad
+    assert kind == "error" and err.status == 400 and err.message.startswith("the prompt has 9 tokens")
+    assert good[-1][1].text == "ok" and generations(worker, "error") == 1
+
+
+def test_stop_refuses_the_waiting_jobs(worker):
+    async def main():
+        gate = threading.Event()
+        running = _submit(worker, Job(FakeStream(["a", "b"], gate), "completions", 60))
+        waiting = _submit(worker, Job(FakeStream(["c"]), "completions", 60))
+        await asyncio.to_thread(lambda: running.stream.started.wait(10))
+        stopper = asyncio.create_task(asyncio.to_thread(worker.stop))
+        await asyncio.to_thread(lambda: running.cancelled.wait(10))
+        gate.set()
+        await stopper
+        return await collect(worker, running), await collect(worker, waiting)
+
+    running, waiting = asyncio.run(main())
+    assert running[-1][0] == "error" and running[-1][1].code == "shutting_down"
+    assert [(k, e.code) for k, e in waiting] == [("error", "shutting_down")]
