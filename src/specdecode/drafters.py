@@ -25,6 +25,7 @@ class Draft:
     expected: float | None = None  # the drafter's estimate of tokens this pass will emit, bonus included
     modelled_s: float | None = None  # the cost model's seconds for this step (drafting + the target pass)
     strategy: str | None = None  # what this step ran: plain, lookup, draft (a chain), tree
+    sources: list[str] | None = None  # [n] where each token came from: draft, context, history, datastore
 
     @property
     def tree_parents(self) -> list[int]:
@@ -112,7 +113,7 @@ class PromptLookup:
                 tokens = arr[start:start + gamma].tolist()
                 if tokens:
                     self.last_ngram = n
-                    return Draft(tokens, None, strategy="lookup")
+                    return Draft(tokens, None, strategy="lookup", sources=["context"] * len(tokens))
         self.last_ngram = 0
         return Draft([], None)
 

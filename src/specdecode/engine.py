@@ -16,11 +16,12 @@ import torch
 from .drafters import Draft, DraftModel, PromptLookup
 from .errors import SpecDecodeError
 from .kv import CachedLM, as_lm
+from .lookup import Datastore, History, Lookup, tokenizer_fingerprint
 from .sampling import SamplingParams, probs_from_logits
 from .tree import TreeDrafter, TreeState, draft_model_can_pay
 from .verify import verify, verify_tree
 
-METHODS = ("auto", "autoregressive", "draft", "pld", "tree")
+METHODS = ("auto", "autoregressive", "draft", "lookup", "pld", "tree")
 AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
 
 
@@ -44,6 +45,7 @@ class Stats:
     modelled_s: float = 0.0  # the cost model's seconds for those passes (drafting + verification)
     plain_step_s: float | None = None  # the cost model's seconds of one plain decoding step
     strategies: dict = field(default_factory=dict)  # target passes by what ran: plain, lookup, draft, tree
+    sources: dict = field(default_factory=dict)  # source -> {"drafted": n, "accepted": n}: draft, context, history, datastore
     wall_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -51,9 +53,10 @@ class Stats:
     finish_reason: str | None = None  # "eos" | "stop" | "length"
 
     def __post_init__(self):
-        # per target pass: [tokens it emitted, how many of them were accepted draft tokens (its first ones)];
-        # not a field, so not in as_dict: what truncate() needs to take back tokens cut at a stop string
-        self._passes: list[list[int]] = []
+        # per target pass: [tokens it emitted, how many of them were accepted draft tokens (its first ones),
+        # the sources of those]; not a field, so not in as_dict: what truncate() needs to take back
+        # tokens cut at a stop string
+        self._passes: list[list] = []
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -85,10 +88,17 @@ class Stats:
             return None
         return self.expected_tokens / self.modelled_s * self.plain_step_s
 
-    def record(self, draft: Draft, accepted: int, emitted: int | None = None) -> None:
-        """One target pass over `draft`: its first `accepted` draft tokens were accepted (and emitted),
-        and it emitted `emitted` tokens in all (default: those plus one of the target's own)."""
-        self._passes.append([accepted + 1 if emitted is None else emitted, accepted])
+    def record(self, draft: Draft, accepted: int, emitted: int | None = None, path: list[int] | None = None) -> None:
+        """One target pass over `draft`: `accepted` draft tokens were accepted (and emitted): the nodes
+        path[:accepted] (default: the first ones, a chain), and it emitted `emitted` tokens in all
+        (default: those plus one of the target's own)."""
+        sources = draft.sources or ["draft" if draft.q is not None else "context"] * len(draft.tokens)
+        path = list(range(accepted)) if path is None else path[:accepted]
+        for s in sources:
+            self.sources.setdefault(s, {"drafted": 0, "accepted": 0})["drafted"] += 1
+        for i in path:
+            self.sources[sources[i]]["accepted"] += 1
+        self._passes.append([accepted + 1 if emitted is None else emitted, accepted, [sources[i] for i in path]])
         self.target_forwards += 1
         self.drafted += len(draft.tokens)
         self.accepted += accepted
@@ -116,12 +126,13 @@ class Stats:
         `accepted_per_position`). Drafted tokens and target passes stay: they were verified."""
         start = 0
         for p in self._passes:
-            emitted, accepted = p
+            emitted, accepted, sources = p
             kept = min(accepted, max(0, new_tokens - start))  # accepted draft tokens come first in a pass
             for i in range(kept, accepted):
                 self.accepted_per_position[i] -= 1
+                self.sources[sources[i]]["accepted"] -= 1
             self.accepted -= accepted - kept
-            p[:] = [min(emitted, max(0, new_tokens - start)), kept]
+            p[:] = [min(emitted, max(0, new_tokens - start)), kept, sources[:kept]]
             start += emitted
         self.new_tokens = new_tokens
 
@@ -194,7 +205,7 @@ def speculative_decode(target: CachedLM, drafter, prompt_ids: list[int], *, gamm
                 new = new[:i + 1]
                 stats.finish_reason = "eos"
                 break
-        stats.record(draft, min(len(path), len(new)), len(new))  # accepted draft tokens emitted (none past EOS)
+        stats.record(draft, min(len(path), len(new)), len(new), path)  # accepted draft tokens emitted (none past EOS)
         ids += new
         emitted += len(new)
         stats.new_tokens = emitted
@@ -217,11 +228,17 @@ class Engine:
     target goes on plainly (the tree and auto methods keep their prompt-lookup guesses) up to its own
     context and max_new_tokens. The output is the same as ever; only the speedup ends there.
 
-    Each generation starts with a fresh planner (TreeState) for the tree and auto methods, so a
-    generation's output and stats never depend on what the Engine generated before.
+    Each generation starts with a fresh planner (TreeState) for the tree, lookup and auto methods.
+    With history_tokens > 0 the engine remembers its earlier outputs (that many tokens, least recently
+    used dropped first) and the lookup, tree and auto methods draft from them too; a tree's shape then
+    depends on what was generated before, and with bf16 or quantized models a near-tie can fall the
+    other way (never a token at a clear margin: `specdecode certify`). With history_tokens=0 (the
+    default here; `serve` remembers) output never depends on earlier requests.
+    datastore: a directory built by `specdecode index` (same tokenizer), drafted from by the same methods.
     """
 
-    def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None):
+    def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None, *,
+                 history_tokens: int = 0, datastore: str | None = None):
         self.tokenizer = tokenizer
         self.target = as_lm(target_model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
         self.vocab_size = self.target.vocab_size
@@ -232,17 +249,29 @@ class Engine:
         self.eos_ids = self.target.eos_token_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
         self.progress = True
+        self.history = History(history_tokens) if history_tokens else None
+        self.datastore = None
+        if datastore is not None:
+            self.use_datastore(datastore)
+
+    def use_datastore(self, path: str | None) -> None:
+        """Draft from this datastore from now on (None: from none); it must share the tokenizer."""
+        self.datastore = None if path is None else Datastore(path, tokenizer_fingerprint(self.tokenizer))
+
+    def _lookup(self) -> Lookup:
+        return Lookup(self.history, self.datastore)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
              dtype: str | None = None, device: str | None = None, with_draft: bool = True, progress: bool = True,
-             threads: int | None = None, draft_quant: str = "auto") -> "Engine":
+             threads: int | None = None, draft_quant: str = "auto", history_tokens: int = 0,
+             datastore: str | None = None) -> "Engine":
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
         "torch" or "llama.cpp". draft_quant (llama.cpp): "auto" runs the draft in whichever of its
         file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output),
-        "none" keeps the file, "Q4_0"/"Q8_0" force one."""
+        "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine."""
         from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_lm
         if target is None:
             target = DEFAULT_TARGET
@@ -253,7 +282,7 @@ class Engine:
         if with_draft and draft:
             d_model, d_tok, d_backend = load_lm(draft, backend, dtype=dtype, device=device, progress=progress,
                                                 threads=threads, quant=draft_quant if backend != "torch" else None)
-        engine = cls(t_model, t_tok, d_model, d_tok)
+        engine = cls(t_model, t_tok, d_model, d_tok, history_tokens=history_tokens, datastore=datastore)
         engine.progress = progress
         return engine
 
@@ -337,7 +366,7 @@ class Engine:
         else:
             generator.manual_seed(seed)
         stats = Stats(method=method, gamma=gamma if method in ("draft", "pld") else 0, prompt_tokens=len(prompt_ids))
-        if method in ("tree", "auto"):
+        if method in ("tree", "auto", "lookup"):
             gamma = drafter.max_depth
             stats.plain_step_s = self.costs.t(1)
         if method == "auto":
@@ -346,10 +375,25 @@ class Engine:
             stats.tree = {"width": drafter.width, "depth": drafter.max_depth, "nodes": drafter.max_nodes,
                           "chosen_by_cost_model": [k for k, v in (("width", tree_width), ("depth", tree_depth),
                                                                    ("nodes", tree_nodes)) if v is None]}
+        if method in ("auto", "lookup", "tree"):
+            stats.tree = {**(stats.tree or {}), "lookup_sources": drafter.lookup.sources if drafter.lookup else []}
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=gamma, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
                                    generator=generator, stats=stats)
+        if self.history is not None:
+            steps = self._remember(prompt_ids, steps)
         return TextStream(self, steps, stats, stops)
+
+    def _remember(self, prompt_ids: list[int], steps: Iterator[list[int]]) -> Iterator[list[int]]:
+        """Pass the steps through; when the generation ends (or is stopped), store its output."""
+        out: list[int] = []
+        try:
+            for new in steps:
+                out += new
+                yield new
+        finally:
+            steps.close()
+            self.history.add(prompt_ids, out)
 
     def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None):
         if method not in METHODS:
@@ -364,6 +408,9 @@ class Engine:
         # every generation plans with a fresh TreeState (what the planner learns about acceptance): a
         # tree's shape, and so in bf16 the rounding of its target pass and the side a near-tie falls
         # on, never depends on what this Engine generated before
+        if method == "lookup":  # lookup guesses only, planned on the measured costs: no draft model
+            return TreeDrafter(None, lookup=self._lookup(), costs=self.tree_costs(), state=TreeState(),
+                               chains_only=bool(self._tree_error(None)))  # a model that cannot run trees: one chain
         if method == "auto":
             costs = self.tree_costs()
             model = self.draft_model if self.draft_model is not None and draft_model_can_pay(costs) else None
@@ -373,14 +420,14 @@ class Engine:
             state.plain_left = AUTO_PROBE_STEPS if model is not None else 0
             state.measure = True
             if self._tree_error(model):  # e.g. flash attention: chains only (a draft chain, else lookup)
-                return TreeDrafter(model, pld=model is None, width=1, costs=costs, state=state)
-            return TreeDrafter(model, pld=True, costs=costs, state=state)
+                return TreeDrafter(model, costs=costs, state=state, lookup=self._lookup(), chains_only=True)
+            return TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup())
         if method == "tree":
             error = self._tree_error(self.draft_model)
             if error:  # before any model work
                 raise SpecDecodeError(error)
             return TreeDrafter(self.draft_model, pld=True, width=width, depth=depth, nodes=nodes,
-                               costs=self.tree_costs(), state=TreeState())
+                               costs=self.tree_costs(), state=TreeState(), lookup=self._lookup())
         if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
             raise SpecDecodeError(f"gamma must be a positive integer, got {gamma!r}")
         if method == "pld":
@@ -400,7 +447,16 @@ class Engine:
 
 
 class TextStream:
-    """Turns committed token ids into text deltas; applies stop strings; times the generation."""
+    """Turns committed token ids into text deltas; applies stop strings; times the generation.
+
+    Detokenization is incremental, linear in the output length, for any tokenizer with `decode`: each
+    step decodes only a window, the tokens whose text was last added (context, for tokenizers whose text
+    for a token depends on its neighbours, such as SentencePiece's leading space or byte-level
+    characters) plus the new ones, and appends what the new ones add. Tokens whose text is not complete
+    (a UTF-8 character split across tokens decodes to U+FFFD) stay in the window until it is. Stop
+    strings are searched only near the end of the text: a tail that could start one is never sent, so
+    none can begin in text sent earlier.
+    """
 
     def __init__(self, engine: Engine, steps: Iterator[list[int]], stats: Stats, stops: list[str]):
         self.engine, self.steps, self.stats, self.stops = engine, steps, stats, stops
@@ -409,13 +465,23 @@ class TextStream:
     def __iter__(self) -> Iterator[str]:
         decode, stats = self.engine.decode, self.stats
         ids: list[int] = []
+        text = ""  # the text of ids[:read], then the whole characters of ids[read:] so far (`pending` of them)
+        context = read = pending = 0  # ids[context:read]: the tokens whose text was added last
         sent = ""
         t0 = time.perf_counter()
         try:
             for new in self.steps:
                 ids += new
-                text = decode(ids)
-                cut = self._find_stop(text)
+                before, after = decode(ids[context:read]), decode(ids[context:])
+                whole = len(after)
+                while whole and after[whole - 1] == "\ufffd":  # a character still missing some of its bytes
+                    whole -= 1
+                added = after[len(before) + pending:whole]
+                text += added
+                pending += len(added)
+                if whole == len(after) > len(before):  # every token's text is complete: slide the window
+                    context, read, pending = read, len(ids), 0
+                cut = self._find_stop(text, len(sent))
                 if cut is not None:
                     text = text[:cut]
                     ids = _shortest_prefix_with_stop(ids, decode, self.stops)
@@ -425,7 +491,8 @@ class TextStream:
                 else:
                     safe = self._safe_length(text)
                 if safe > len(sent):
-                    delta, sent = text[len(sent):safe], text[:safe]
+                    delta = text[len(sent):safe]
+                    sent += delta
                     yield delta
                 if cut is not None:
                     break
@@ -437,21 +504,24 @@ class TextStream:
             yield text[len(sent):]
         self.result = Generation(text, ids, stats)
 
-    def _find_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+    def _find_stop(self, text: str, sent: int) -> int | None:
+        """Where the first stop string starts; one can start only in the text not sent yet (or reach into it)."""
+        start = max(0, sent - max((len(s) for s in self.stops), default=0))
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
 
     def _safe_length(self, text: str) -> int:
-        """Hold back a trailing partial character and any tail that could start a stop string."""
-        end = len(text)
-        while end and text[end - 1] == "\ufffd":
-            end -= 1
+        """Hold back any tail that could start a stop string (text holds only whole characters). Only the
+        last sum(len(stop)) characters can be held back, so only they are looked at."""
+        base = max(0, len(text) - sum(len(s) for s in self.stops) - 1)
+        tail = text[base:]
+        end = len(tail)
         for s in self.stops:
             for k in range(min(len(s) - 1, end), 0, -1):
-                if text[:end].endswith(s[:k]):
-                    end = min(end, len(text[:end]) - k)
+                if tail[:end].endswith(s[:k]):
+                    end -= k
                     break
-        return end
+        return base + end
 
 
 def _shortest_prefix_with_stop(ids: list[int], decode, stops: list[str]) -> list[int]:

@@ -2,7 +2,8 @@
 
 Growth follows EAGLE-2: from the root, each depth expands the frontier nodes with the highest value
 (the estimated probability that the target accepts the whole path to them) by one batched draft
-pass over the frontier, under a tree attention mask. Prompt-lookup matches join as extra branches.
+pass over the frontier, under a tree attention mask. Lookup guesses (lookup.py: the context, earlier
+outputs, a datastore) join as extra branches, valued by a calibration of their observed frequency.
 Greedy trees are then re-ranked: the N most valuable nodes are kept (a node is never worth more
 than its parent, so they form a tree).
 
@@ -27,18 +28,43 @@ from dataclasses import dataclass
 import torch
 
 from .costs import Calibration, CostModel
-from .drafters import Draft, PromptLookup
+from .drafters import Draft
+from .lookup import SOURCES, Guess, Lookup
 from .sampling import SamplingParams, probs_from_logits, sample
 
 MAX_WIDTH, MAX_DEPTH, MAX_NODES = 4, 8, 32  # caps of an adaptive tree
 MEASURED_DECAY = 0.95  # of the measured rates: about the last 20 steps of each kind count
 MEASURED_MIN_TOKENS = 4.0  # a measured rate is used once it covers this many (decayed) tokens
-LOOKUP_NGRAMS = 3  # prompt lookup matches the last 3, 2 or 1 tokens (PromptLookup's default)
+MAX_LOOKUP_NODES = 24  # lookup guesses offered to the planner per source and step (it keeps those that pay)
+# A lookup guess is calibrated in a bin of (source, matched n-gram length, observed frequency, depth):
+# a 4-gram match whose continuations all agree is a far better guess than a 1-gram match seen once.
+LOOKUP_NGRAM_EDGES = (2, 3, 5)  # n-gram length buckets: 1 | 2 | 3-4 | 5+
+LOOKUP_FREQ_EDGES = (0.3, 0.6, 0.9)  # observed frequency buckets
+LOOKUP_DEPTH_EDGES = (2, 4)  # depth buckets: 1 | 2-3 | 4+
+_LOOKUP_SHAPE = (len(SOURCES), len(LOOKUP_NGRAM_EDGES) + 1, len(LOOKUP_FREQ_EDGES) + 1, len(LOOKUP_DEPTH_EDGES) + 1)
+LOOKUP_BINS = _LOOKUP_SHAPE[0] * _LOOKUP_SHAPE[1] * _LOOKUP_SHAPE[2] * _LOOKUP_SHAPE[3]
 
 
-def _lookup_feature(ngram: int, depth: int) -> float:
-    """The calibration feature in [0, 1) of a prompt-lookup node: its bin is (n-gram length, depth)."""
-    return ((min(ngram, LOOKUP_NGRAMS) - 1) * MAX_DEPTH + min(depth, MAX_DEPTH) - 1 + 0.5) / (LOOKUP_NGRAMS * MAX_DEPTH)
+def _bucket(x: float, edges) -> int:
+    return sum(x >= e for e in edges)
+
+
+def _lookup_feature(g: Guess) -> float:
+    """The calibration feature in [0, 1) of a lookup guess (the centre of its bin)."""
+    b = (SOURCES.index(g.source), _bucket(g.ngram, LOOKUP_NGRAM_EDGES), _bucket(g.freq, LOOKUP_FREQ_EDGES),
+         _bucket(g.depth, LOOKUP_DEPTH_EDGES))
+    index = ((b[0] * _LOOKUP_SHAPE[1] + b[1]) * _LOOKUP_SHAPE[2] + b[2]) * _LOOKUP_SHAPE[3] + b[3]
+    return (index + 0.5) / LOOKUP_BINS
+
+
+def _lookup_prior(x: float) -> float:
+    """Before any verdict: a guess is worth about half its observed frequency (a 1-gram match
+    rarely continues as it did; bins learn fast, each after a few of its own verdicts)."""
+    index = int(x * LOOKUP_BINS)
+    freq = index // _LOOKUP_SHAPE[3] % _LOOKUP_SHAPE[2]
+    ngram = index // (_LOOKUP_SHAPE[3] * _LOOKUP_SHAPE[2]) % _LOOKUP_SHAPE[1]
+    centre = (0.15, 0.45, 0.75, 0.95)[freq]
+    return centre * (0.4, 0.5, 0.6, 0.7)[ngram]
 
 
 # The per-token acceptance the auto method grants a draft model before it has run it: about the best a
@@ -72,11 +98,13 @@ class _Node:
     parent: int  # node index, -1 = root
     depth: int
     value: float  # estimated P(target accepts the path to this node)
-    conf: float | None  # draft probability of token given its parent (None: a prompt-lookup node)
+    conf: float | None  # draft probability of token given its parent (None: a lookup guess)
     rank: int = 0  # among its siblings from the draft model: 0 = the draft's first choice
     q: torch.Tensor | None = None  # [V] the distribution it was drawn from; None = one-hot
     cache: int | None = None  # index in the draft model's cache once it went through a draft pass
-    lookup: float | None = None  # a prompt-lookup node's calibration feature (n-gram length, depth)
+    lookup: float | None = None  # a lookup guess's calibration feature
+    source: str = "draft"  # where the token came from: the draft model or a lookup source
+    guess: Guess | None = None
 
 
 class TreeState:
@@ -85,9 +113,8 @@ class TreeState:
     def __init__(self):
         # draft confidence -> P(accept | parent accepted), for the draft's first choice and for the others
         self.draft = (Calibration(), Calibration())
-        # prompt-lookup nodes: by the length of the n-gram that matched (1-3) and the depth; a 3-gram match
-        # is a far better guess than a 1-gram one
-        self.lookup = Calibration(bins=LOOKUP_NGRAMS * MAX_DEPTH, prior=lambda x: 0.5)
+        # lookup guesses: by source, matched n-gram length, observed frequency and depth
+        self.lookup = Calibration(bins=LOOKUP_BINS, prior=_lookup_prior)
         self.rho = 0.6  # P(some child accepted | an expanded node accepted): the gain of expanding
         self.rate = None  # moving average of modelled tokens per second while speculating
         self.steps = 0
@@ -107,8 +134,15 @@ class TreeState:
 class TreeDrafter:
     def __init__(self, draft_model=None, *, pld: bool = True, width: int | None = None, depth: int | None = None,
                  nodes: int | None = None, adaptive: bool = True, costs: CostModel | None = None,
-                 state: TreeState | None = None):
-        self.model, self.lookup = draft_model, PromptLookup() if pld else None
+                 state: TreeState | None = None, lookup: Lookup | None = None, chains_only: bool = False):
+        """pld: add lookup guesses (from `lookup`, by default the context only). chains_only: one child
+        per node (width 1, and lookup guesses only where no other child is), for models that cannot
+        run token trees."""
+        self.chains_only = chains_only
+        if chains_only:
+            width = 1
+        self.model = draft_model
+        self.lookup = (lookup if lookup is not None else Lookup()) if pld else None
         # a shape fixed in every dimension is taken as given: no planning, no backing off
         self.adaptive = adaptive and costs is not None and None in (width, depth, nodes)
         self.fixed_width, self.fixed_depth, self.fixed_nodes = width, depth, nodes
@@ -123,8 +157,12 @@ class TreeDrafter:
     def reset(self) -> None:
         if self.model is not None:
             self.model.reset()
+        if self.lookup is not None:
+            self.lookup.reset()
 
     def prefill(self, ids: list[int]) -> None:
+        if self.lookup is not None:
+            self.lookup.prefill(ids)
         # while backing off, the draft model reads the text only when it is next used
         if self.model is not None and not (self.adaptive and self.state.plain_left > 0):
             self.model.prefill(ids)
@@ -250,23 +288,29 @@ class TreeDrafter:
         return best
 
     def _add_lookup(self, ids: list[int], max_depth: int, greedy: bool) -> None:
-        tokens = self.lookup.propose(ids, max_depth).tokens
-        ngram = self.lookup.last_ngram
-        parent = -1
-        for depth, x in enumerate(tokens, 1):
+        """Join the lookup guesses to the tree (a guess equal to a node already there merges into it)."""
+        where: list[int | None] = []  # guess -> its tree node (None: left out, with its subtree)
+        for g in self.lookup.tree(ids, max_depth, MAX_LOOKUP_NODES):
+            parent = -1 if g.parent < 0 else where[g.parent]
+            where.append(None)
+            if parent is None or g.depth > max_depth:
+                continue
             if not greedy and len(self.nodes) >= self.max_nodes:  # (a greedy tree is cut to size later)
-                break
-            feature = _lookup_feature(ngram, depth)
+                continue
+            feature = _lookup_feature(g)
             value = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup(feature)
+            same = [i for i, nd in enumerate(self.nodes) if nd.parent == parent and nd.token == g.token]
+            if same:
+                where[-1] = same[0]
+                continue
+            if self.chains_only and any(nd.parent == parent for nd in self.nodes):
+                continue  # chains only: one child per node
             # one-hot, so droppable; but a sampled tree is not cut later, so decide now
             if not greedy and self.adaptive and not self._pays(1.0 + sum(nd.value for nd in self.nodes),
                                                               len(self.nodes), value):
-                break
-            same = [i for i, nd in enumerate(self.nodes) if nd.parent == parent and nd.token == x]
-            if same:
-                parent = same[0]
                 continue
-            parent = self._add(_Node(x, parent, depth, value, None, lookup=feature))
+            where[-1] = self._add(_Node(g.token, parent, g.depth, value, None, lookup=feature, source=g.source,
+                                        guess=g))
 
     def _select(self, params: SamplingParams) -> list[int]:
         if not params.greedy:
@@ -296,7 +340,8 @@ class TreeDrafter:
             modelled = self.spent + self.costs.t(len(tokens) + 1)
         strategy = ("plain" if not tokens else "lookup" if all(nd.conf is None for nd in self.kept)
                     else "draft" if chain else "tree")
-        return Draft(tokens, q, None if chain else parents, expected, modelled, strategy)
+        return Draft(tokens, q, None if chain else parents, expected, modelled, strategy,
+                     [nd.source for nd in self.kept])
 
     def _d(self, k: int) -> float:
         return self.costs.d(k) if self.costs is not None else 0.0
@@ -307,6 +352,8 @@ class TreeDrafter:
         compact the draft cache."""
         self._learn_acceptance([self.kept[i].token for i in path] + [bonus])
         kept = self.kept
+        if self.lookup is not None:
+            self.lookup.accepted([kept[i].guess for i in path if kept[i].guess is not None])
         if self.model is not None:
             lm = self.model.lm
             branch = []
