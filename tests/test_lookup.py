@@ -287,3 +287,38 @@ def test_lookup_is_fast_on_a_large_datastore(tmp_path):
         g = lk.tree(text + [i], 8, 24)
     per_step = (time.perf_counter() - t) / 200
     assert g and per_step < 0.02, per_step
+
+
+# ============================================================= CLI: index, and bench with every source
+
+
+def test_cli_index_and_bench_with_datastore_history_and_turns(tiny_dirs, tmp_path, capsys):
+    from specdecode.cli import main
+    target, draft = tiny_dirs
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("def add(a, b):\n    return a + b\n" * 5)
+    assert main(["index", str(src), "--out", str(tmp_path / "ds"), "--target", str(target)]) == 0
+    assert "tokens from 1 documents" in capsys.readouterr().out
+    assert main(["index", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"), "--target", str(target)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["index", str(src), "--out", str(tmp_path / "x"), "--target", str(target), "--suffixes", "md"]) == 2
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["def add(a, b):", "again, please"], "category": "chat"}\n'
+                       '{"turns": ["abc abc", "def add(a, b):"], "category": "chat"}\n')
+    out = tmp_path / "out"
+    code = main(["bench", "--prompts", str(prompts), "--methods", "pld,lookup,auto", "--all-turns",
+                 "--history-tokens", "5000", "--datastore", str(tmp_path / "ds"), "--max-new-tokens", "16",
+                 "--target", str(target), "--draft", str(draft), "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["prompts"]) == 2 * 2 * 4  # prompts x turns x methods
+    assert {r["prompt_id"] for r in results["prompts"]} == {"1#1", "1#2", "2#1", "2#2"}
+    lk = results["methods"]["lookup"]
+    assert lk["greedy_agreement"] == 1.0 and set(lk["by_turn"]) == {"1", "2"}
+    assert set(lk["sources"]) <= {"context", "history", "datastore"} and lk["draft_cost_per_pass"] is not None
+    assert results["config"]["history_tokens"] == 5000 and results["config"]["datastore_tokens"] > 0
+    report = (out / "report.md").read_text()
+    assert "## Drafters: cost and where accepted tokens came from" in report and "## By turn" in report
+    assert main(["bench", "--prompts", str(prompts), "--methods", "lookup", "--datastore", str(tmp_path / "nope"),
+                 "--target", str(target)]) == 2

@@ -13,14 +13,16 @@ import torch
 from tqdm.auto import tqdm
 
 from .engine import METHODS, Engine
+from .lookup import History
 from .errors import SpecDecodeError
 
 PEERS = ("hf-assisted", "llama.cpp", "llama.cpp-pld")  # other tools' decoders, measured in the same run
 BENCH_METHODS = (*METHODS, *PEERS)
 
 
-def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """JSONL rows with `prompt` (raw completion) or `turns` (chat; first turn), optional `category`."""
+def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[dict]:
+    """JSONL rows with `prompt` (raw completion) or `turns` (chat: the first turn, or with all_turns
+    every turn, as one conversation), optional `category`."""
     path = Path(path)
     if not path.is_file():
         raise SpecDecodeError(f"prompt file not found: {path}")
@@ -38,6 +40,10 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
             row = {"prompt": obj["prompt"], "chat": False}
         elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
             row = {"prompt": obj["turns"][0], "chat": True}
+            if all_turns:
+                if not all(isinstance(t, str) and t for t in obj["turns"]):
+                    raise SpecDecodeError(f"{path}:{lineno}: every turn must be a non-empty string")
+                row["turns"] = list(obj["turns"])
         else:
             raise SpecDecodeError(f"{path}:{lineno}: needs a non-empty 'prompt' string or a 'turns' list of strings")
         row["id"] = str(obj.get("task_id", obj.get("question_id", lineno)))
@@ -155,17 +161,37 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
     tree = tree or {}
     costs = engine.tree_costs()  # the measured T(k)/T(1) curve and draft cost, shown next to the speed table
     peers = {m: LlamaPeer(engine, pld=m == "llama.cpp-pld") for m in methods if m in ("llama.cpp", "llama.cpp-pld")}
+    # with an engine history, every method remembers only its own earlier outputs (never the text another
+    # method wrote for the same prompt), and the warm-up leaves none
+    history = engine.history
+    histories = {m: History(history.max_tokens) if history is not None else None for m in methods}
+    engine.history = None
     # warm-up (excluded): first calls pay for allocations and kernel selection
     for m in methods:
-        _run_one(engine, prompts[0], m, gamma, 8, temperature, seed, tree, peers)
+        _run_one(engine, {**prompts[0], "turns": None}, m, gamma, 8, temperature, seed, tree, peers)
     rows = []
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress)
-    for p in prompts:
-        for m in methods:  # interleaved, prompt by prompt
-            bar.set_postfix_str(f"{p['id']} {m}")
-            rows.append({"prompt_id": p["id"], "category": p["category"], "method": m,
-                         **_run_one(engine, p, m, gamma, max_new_tokens, temperature, seed, tree, peers)})
-            bar.update(1)
+    runs = sum(len(p.get("turns") or [0]) for p in prompts) * len(methods)
+    bar = tqdm(total=runs, desc="bench", unit="run", disable=not progress)
+    try:
+        for p in prompts:
+            for m in methods:  # interleaved, prompt by prompt
+                engine.history = histories[m]
+                messages: list[dict] = []
+                for turn, text in enumerate(p.get("turns") or [p["prompt"]], 1):
+                    bar.set_postfix_str(f"{p['id']} {m}" + (f" turn {turn}" if p.get("turns") else ""))
+                    if p.get("turns"):  # a conversation: each turn after this method's own earlier answers
+                        messages = messages + [{"role": "user", "content": text}]
+                        run = {**p, "prompt": messages, "chat": True}
+                    else:
+                        run = p
+                    r = _run_one(engine, run, m, gamma, max_new_tokens, temperature, seed, tree, peers)
+                    rows.append({"prompt_id": p["id"] + (f"#{turn}" if p.get("turns") else ""), "turn": turn,
+                                 "category": p["category"], "method": m, **r})
+                    if p.get("turns"):
+                        messages = messages + [{"role": "assistant", "content": r["text"]}]
+                    bar.update(1)
+    finally:
+        engine.history = history
     bar.close()
     return summarize(rows, methods, gamma=gamma, greedy=greedy,
                      config=dict(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -179,7 +205,10 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
                                  torch_threads=torch.get_num_threads(), tree=tree, cpu=cpu_description(),
                                  draft_quant=getattr(engine.draft_model.lm, "quant_info", None)
                                  if engine.draft_model else None,
-                                 pass_costs=costs.as_dict()))
+                                 pass_costs=costs.as_dict(),
+                                 datastore=str(engine.datastore.path) if engine.datastore else None,
+                                 datastore_tokens=len(engine.datastore) if engine.datastore else None,
+                                 history_tokens=history.max_tokens if history is not None else 0))
 
 
 def cpu_description() -> str:
@@ -204,15 +233,16 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
             r = hf_assisted(engine, ids, gamma, max_new_tokens, temperature, seed)
         else:
             r = peers[method].generate(ids, max_new_tokens, temperature, seed)
-        return {**r, "tokens_per_second": r["new_tokens"] / r["wall_s"], "target_forwards": None, "drafted": None,
+        text = engine.decode(r["token_ids"]) if "token_ids" in r else ""
+        return {**r, "text": text, "tokens_per_second": r["new_tokens"] / r["wall_s"], "target_forwards": None, "drafted": None,
                 "accepted": None, "rejections": None, "mean_accepted_tokens": None, "acceptance_rate": None,
                 "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None,
                 "tree_depth": None, "expected_tokens": None, "planned_passes": None, "modelled_s": None,
-                "strategies": None}
+                "strategies": None, "sources": None}
     g = engine.generate(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
                         temperature=temperature, seed=seed, **(tree or {} if method == "tree" else {}))
     s = g.stats
-    return {"token_ids": g.token_ids, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
+    return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s, "sources": s.sources,
             "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,
             "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
             "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,
@@ -248,7 +278,7 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
             fwd = total(m, "target_forwards")
             res["mean_accepted_tokens"] = total(m, "new_tokens") / fwd
             res["verify_cost_ratio"] = total(m, "verify_s") / fwd / ar_step if ar_step else None
-        if m in ("tree", "auto") and total(m, "target_forwards"):
+        if m in ("tree", "auto", "lookup") and total(m, "target_forwards"):
             fwd = total(m, "target_forwards")
             res["nodes_per_pass"] = total(m, "drafted") / fwd
             res["depth_per_pass"] = total(m, "tree_depth") / fwd
@@ -261,15 +291,35 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
             for r in mine:
                 for k, v in (r["strategies"] or {}).items():
                     res["strategies"][k] = res["strategies"].get(k, 0) + v
-        if m in ("draft", "pld", "tree", "auto") and total(m, "drafted"):
+        if m not in PEERS and m != "autoregressive" and total(m, "target_forwards") and ar_step:
+            # what the drafter costs per target pass, in plain steps (c of a step, whatever it drafted)
+            res["draft_cost_per_pass"] = total(m, "draft_s") / total(m, "target_forwards") / ar_step
+        if any(r.get("sources") for r in mine):
+            by: dict = {}
+            for r in mine:
+                for src, v in (r.get("sources") or {}).items():
+                    d = by.setdefault(src, {"drafted": 0, "accepted": 0})
+                    d["drafted"] += v["drafted"]
+                    d["accepted"] += v["accepted"]
+            for d in by.values():
+                d["acceptance_rate"] = d["accepted"] / d["drafted"] if d["drafted"] else None
+            res["sources"] = by
+        turns = sorted({r.get("turn", 1) for r in mine})
+        if len(turns) > 1:
+            res["by_turn"] = {}
+            for t in turns:
+                rt = [r for r in mine if r.get("turn", 1) == t]
+                fwd = sum(r["target_forwards"] or 0 for r in rt)
+                wall = sum(r["wall_s"] for r in rt)
+                res["by_turn"][t] = {"tokens_per_second": sum(r["new_tokens"] for r in rt) / wall if wall else None,
+                                     "mean_accepted_tokens": sum(r["new_tokens"] for r in rt) / fwd if fwd else None}
+        if m in ("draft", "pld", "tree", "auto", "lookup") and total(m, "drafted"):
             acc, drafted = total(m, "accepted"), total(m, "drafted")
             res["acceptance_rate"] = acc / drafted
             # a tree's α and bound would need its branching: the chain formulas apply to chains only
             chain = m in ("draft", "pld")
             res["alpha"] = alpha = alpha_from_counts(acc, total(m, "rejections")) if chain else None
             res["draft_cost_ratio"] = c = (total(m, "draft_s") / drafted / ar_step) if ar_step and chain else None
-            if not chain and ar_step:  # a tree's draft time is per pass, not per token
-                res["draft_cost_per_pass"] = total(m, "draft_s") / total(m, "target_forwards") / ar_step
             # the tokens actually drafted per pass: prompt lookup often finds fewer than gamma, or none
             g = drafted / total(m, "target_forwards")
             if alpha is not None and c is not None:
@@ -331,6 +381,29 @@ def report(results: dict) -> str:
         for m, r in results["methods"].items():
             bc = r.get("by_category", {})
             lines.append(f"| {m} | " + " | ".join(_f(bc.get(c, {}).get("speedup"), "{:.2f}x") for c in cats) + " |")
+    srcs = [m for m, r in results["methods"].items() if r.get("sources") or r.get("draft_cost_per_pass") is not None]
+    if srcs:
+        lines += ["\n## Drafters: cost and where accepted tokens came from\n",
+                  "Draft cost per pass: the drafter's time per target pass, in plain decoding steps. Per source: "
+                  "tokens drafted, accepted, and the acceptance rate.\n",
+                  "| method | draft cost per pass | " + " | ".join(("draft model", "context", "history", "datastore")) + " |",
+                  "|---" * 6 + "|"]
+        for m in srcs:
+            r = results["methods"][m]
+            cells = []
+            for src in ("draft", "context", "history", "datastore"):
+                d = (r.get("sources") or {}).get(src)
+                cells.append("–" if not d else f"{d['accepted']}/{d['drafted']} ({_f(d['acceptance_rate'], '{:.0%}')})")
+            lines.append(f"| {m} | {_f(r.get('draft_cost_per_pass'), '{:.3f}')} | " + " | ".join(cells) + " |")
+    turns = sorted({t for r in results["methods"].values() for t in r.get("by_turn", {})})
+    if turns:
+        lines += ["\n## By turn (each conversation goes on after the method's own earlier answers)\n",
+                  "| method | " + " | ".join(f"turn {t}: tok/s | turn {t}: tokens per pass" for t in turns) + " |",
+                  "|---" * (2 * len(turns) + 1) + "|"]
+        for m, r in results["methods"].items():
+            bt = r.get("by_turn", {})
+            lines.append(f"| {m} | " + " | ".join(f"{_f(bt.get(t, {}).get('tokens_per_second'))} | "
+                                                  f"{_f(bt.get(t, {}).get('mean_accepted_tokens'))}" for t in turns) + " |")
     costs = cfg.get("pass_costs") or {}
     if costs.get("target"):
         ks = list(costs["target"])

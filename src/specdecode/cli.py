@@ -39,13 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: bf16 where the hardware supports it natively, else fp32")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     _backend_args(g)
+    _lookup_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
 
     b = sub.add_parser("bench", help="benchmark methods against plain decoding (and HF assisted generation)")
     b.add_argument("--prompts", required=True, help="JSONL file: 'prompt' (completion) or 'turns' (chat) per line")
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     b.add_argument("--methods", default=None,
-                   help="comma-separated: auto,autoregressive,draft,pld,tree,hf-assisted (torch),"
+                   help="comma-separated: auto,autoregressive,draft,lookup,pld,tree,hf-assisted (torch),"
                         "llama.cpp,llama.cpp-pld (llama.cpp peers; default: auto,autoregressive,draft,pld and "
                         "the backend's peers)")
     b.add_argument("--gamma", type=int, default=4, help="draft tokens per pass of the chain methods")
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
     b.add_argument("--device", default=None)
     _backend_args(b)
+    _lookup_args(b, history=True, history_default=0)
+    b.add_argument("--all-turns", action="store_true", help="chat prompts with several turns: run every turn, "
+                                                              "as one conversation per prompt")
     b.add_argument("--out", default="bench-out", help="directory for results.json, report.md, *.png")
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
@@ -71,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     _backend_args(s)
+    _lookup_args(s, history=True)
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, else none)")
@@ -78,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "more get 503 with Retry-After (default 16)")
     s.add_argument("--timeout", type=float, default=300.0, help="longest a request may take, in seconds "
                                                                 "(default 300)")
+    i = sub.add_parser("index", help="build a datastore from your files for the lookup drafter (--datastore DIR)")
+    i.add_argument("paths", nargs="+", metavar="PATH", help="files, and directories searched for text files")
+    i.add_argument("--out", required=True, help="directory for the datastore")
+    i.add_argument("--target", default=None, help="the model whose tokenizer to use (default: the default target)")
+    i.add_argument("--suffixes", default=None, help="comma-separated file suffixes to take from directories "
+                                                    "(default: common code and text files, e.g. .py,.md,.txt)")
     c = sub.add_parser("certify", help="certify on your own model pair and machine that speculation here is lossless "
                                         "(KV rollback, the verifier on real p/q rows, greedy agreement)")
     c.add_argument("--target", default=None, help="as for generate (default: the default pair)")
@@ -133,6 +144,30 @@ def _backend_args(parser) -> None:
                              "file's (none) or force one; the draft never changes the output")
 
 
+def _lookup_args(parser, history: bool = False, history_default: int = 1_000_000) -> None:
+    parser.add_argument("--datastore", default=None, metavar="DIR",
+                        help="a datastore built by `specdecode index`: the lookup, tree and auto methods draft from it")
+    if history:
+        parser.add_argument("--history-tokens", type=int, default=history_default,
+                            help=f"earlier outputs remembered for the lookup drafter (default {history_default:,} "
+                                 "tokens, least recently used dropped first; 0: none, and output then never depends "
+                                 "on earlier requests)")
+
+
+def index(args) -> None:
+    from .lookup import TEXT_SUFFIXES, index_files
+    from .models import DEFAULT_TARGET, load_tokenizer
+    suffixes = TEXT_SUFFIXES
+    if args.suffixes is not None:
+        suffixes = tuple("." + x.strip().lstrip(".").lower() for x in args.suffixes.split(",") if x.strip())
+        if not suffixes:
+            raise SpecDecodeError("--suffixes is empty")
+    tokenizer = load_tokenizer(args.target or DEFAULT_TARGET)
+    meta = index_files(args.paths, tokenizer, args.out, suffixes=suffixes, info={"target": args.target or DEFAULT_TARGET})
+    sys.stdout.write(f"datastore {args.out}: {meta['tokens']:,} tokens from {meta['documents']:,} documents "
+                     f"({meta['files']:,} files)\n")
+
+
 def _tree_args(parser) -> None:
     t = parser.add_argument_group("method tree (each unset dimension is chosen by the cost model)")
     t.add_argument("--tree-width", type=int, default=None, help="children per node and nodes expanded per depth")
@@ -155,7 +190,7 @@ def bench(args) -> None:
     if args.threads is not None and args.threads <= 0:
         raise SpecDecodeError(f"--threads must be positive, got {args.threads}")
     methods = parse_methods(args.methods) if args.methods else None
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = load_prompts(args.prompts, args.limit, all_turns=args.all_turns)
     SamplingParams(args.temperature)  # validate before loading models
     if args.gamma <= 0 or args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
         raise SpecDecodeError("--gamma, --max-new-tokens and --limit must be positive")
@@ -163,8 +198,8 @@ def bench(args) -> None:
     if tree and methods is not None and "tree" not in methods:
         raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to method tree, which is not benchmarked")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, draft_quant=args.draft_quant,
-                         with_draft=methods is None or bool({"draft", "hf-assisted", "tree", "auto"} & set(methods)))
+                         threads=args.threads, draft_quant=args.draft_quant, datastore=args.datastore,
+                         history_tokens=args.history_tokens, with_draft=methods is None or bool({"draft", "hf-assisted", "tree", "auto"} & set(methods)))
     if methods is None:
         methods = default_methods(engine)
     check_methods(engine, methods)
@@ -197,7 +232,7 @@ def generate(args) -> None:
     check_args(args)
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=args.method in ("draft", "tree", "auto"), progress=not args.json,
-                         draft_quant=args.draft_quant)
+                         draft_quant=args.draft_quant, datastore=args.datastore)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop=args.stop, chat=args.chat, **_tree_kwargs(args))
@@ -233,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             bench(args)
         elif args.command == "certify":
             return certify(args)
+        elif args.command == "index":
+            index(args)
         elif args.command == "serve":
             from .server import serve
             serve(args)

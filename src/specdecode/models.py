@@ -139,6 +139,22 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
     return lm, tokenizer, backend
 
 
+def load_tokenizer(spec: str, progress: bool = True):
+    """Only the tokenizer of a model (built-in name, GGUF file, HF directory or hub id)."""
+    if spec in BUILTIN:
+        return gguf_tokenizer(assemble(BUILTIN[spec], progress), progress)
+    if is_gguf(spec):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise SpecDecodeError(f"GGUF file not found: {path}")
+        return gguf_tokenizer(path, progress)
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(spec)
+    except Exception as e:
+        raise SpecDecodeError(f"could not load the tokenizer of {spec!r}: {_first_line(e)}") from e
+
+
 def gguf_tokenizer(gguf: Path, progress: bool = True):
     """The Hugging Face tokenizer stored in a GGUF file (chat template included), extracted once and
     cached, so that both backends tokenize, template and detokenize alike."""

@@ -435,8 +435,8 @@ def serve(args) -> None:
     model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=args.method in ("draft", "tree", "auto") or args.draft is not None,
-                         draft_quant=args.draft_quant)
-    if args.method in ("tree", "auto"):
+                         draft_quant=args.draft_quant, datastore=args.datastore, history_tokens=args.history_tokens)
+    if args.method in ("tree", "auto", "lookup"):
         engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout)
