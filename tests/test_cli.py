@@ -6,6 +6,8 @@ import sys
 import pytest
 
 from specdecode.cli import main
+from specdecode.errors import SpecDecodeError
+from specdecode.sampling import SamplingParams
 
 
 def cli(*args, input=None):
@@ -65,25 +67,60 @@ def test_stdin_prompt_and_chat(tiny_dirs):
     assert json.loads(r.stdout)["stats"]["prompt_tokens"] == len("<user>hi there\n<assistant>")
 
 
-@pytest.mark.parametrize("args, match", [
-    (["generate", "", "--method", "autoregressive"], "empty"),
-    (["generate", "x", "--max-new-tokens", "0"], "max_new_tokens"),
-    (["generate", "x", "--gamma", "0"], "gamma"),
-    (["generate", "x", "--temperature", "-1"], "temperature"),
-    (["generate", "x", "--top-p", "0"], "top_p"),
-    (["generate", "x", "--top-p", "1.5"], "top_p"),
+# The Engine is the one validation layer: the CLI prints its message (one line, exit 2). `engine` says how
+# the Engine itself rejects the same input; None: argparse rejects it.
+BAD_INPUT = [
+    (["generate", "", "--method", "autoregressive"], lambda e: e.stream("", method="autoregressive")),
+    (["generate", "x", "--max-new-tokens", "0"], lambda e: e.stream("x", max_new_tokens=0)),
+    (["generate", "x", "--gamma", "0", "--method", "pld"], lambda e: e.stream("x", method="pld", gamma=0)),
+    (["generate", "x", "--gamma", "0"], lambda e: e.stream("x", method="pld", gamma=0)),  # auto does not use gamma
+    (["generate", "x", "--temperature", "-1"], lambda e: SamplingParams(-1.0)),
+    (["generate", "x", "--top-p", "0"], lambda e: SamplingParams(top_p=0.0)),
+    (["generate", "x", "--top-p", "1.5"], lambda e: SamplingParams(top_p=1.5)),
+    (["generate", "x", "--method", "draft"], lambda e: e.stream("x", method="draft")),
+    (["generate", "x", "--method", "tree", "--tree-width", "0"], lambda e: e.stream("x", method="tree", tree_width=0)),
+    (["generate", "x", "--method", "pld", "--tree-depth", "2"], lambda e: e.stream("x", method="pld", tree_depth=2)),
     (["generate", "x", "--method", "nope"], "invalid choice"),
     (["generate", "x", "--gamma", "two"], "invalid int"),
-    (["generate", "x", "--method", "draft"], "draft model"),
-    (["generate", "x", "--method", "tree", "--tree-width", "0"], "tree-width"),
-    (["generate", "x", "--method", "pld", "--tree-depth", "2"], "method tree only"),
-])
-def test_bad_input_exit_2_one_line(tiny_dirs, args, match):
+]
+
+
+@pytest.mark.parametrize("args, engine", BAD_INPUT, ids=[" ".join(a[2:]) or "empty" for a, _ in BAD_INPUT])
+def test_bad_input_exit_2_with_the_engines_message(tiny_dirs, args, engine):
     target, _ = tiny_dirs
     r = cli(*args, "--target", str(target))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and match in lines[0], r.stderr
+    assert len(lines) == 1, r.stderr
+    if isinstance(engine, str):
+        assert engine in lines[0]
+        return
+    from specdecode import Engine
+    with pytest.raises(SpecDecodeError) as e:
+        engine(Engine.load(str(target), progress=False))
+    assert lines[0] == f"specdecode: error: {e.value}"
+
+
+def test_serve_and_bench_without_their_extras(tiny_dirs):
+    """`import specdecode` and `specdecode generate` need neither the server nor the bench packages; serve and
+    bench name the extra to install."""
+    target, _ = tiny_dirs
+    code = f"""
+import sys
+for name in ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "anyio", "matplotlib"):
+    sys.modules[name] = None  # as if not installed: importing it fails
+from specdecode.cli import main
+assert main(["generate", "abc", "--target", {str(target)!r}, "--method", "pld", "--max-new-tokens", "4"]) == 0
+print()
+assert main(["serve", "--target", {str(target)!r}]) == 2
+assert main(["bench", "--prompts", "p.jsonl"]) == 2
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("specdecode: error:")]
+    assert len(errors) == 2
+    assert "pip install \"specdecode[server]\"" in errors[0] and "fastapi" in errors[0]
+    assert "pip install \"specdecode[bench]\"" in errors[1] and "matplotlib" in errors[1]
 
 
 def test_missing_model_exit_2(tmp_path):

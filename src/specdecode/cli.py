@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
@@ -177,9 +178,6 @@ def _tree_args(parser) -> None:
 
 def _tree_kwargs(args) -> dict:
     kw = {f"tree_{k}": getattr(args, f"tree_{k}") for k in ("width", "depth", "nodes")}
-    for name, value in kw.items():
-        if value is not None and value <= 0:
-            raise SpecDecodeError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -191,10 +189,14 @@ def bench(args) -> None:
         raise SpecDecodeError(f"--threads must be positive, got {args.threads}")
     methods = parse_methods(args.methods) if args.methods else None
     prompts = load_prompts(args.prompts, args.limit, all_turns=args.all_turns)
-    SamplingParams(args.temperature)  # validate before loading models
+    SamplingParams(args.temperature)  # the Engine's own check, before loading models
+    # A bad value would reach the Engine only after the models load and the baselines ran (minutes), and
+    # the Engine cannot check its arguments without models: so these are checked here first.
     if args.gamma <= 0 or args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
         raise SpecDecodeError("--gamma, --max-new-tokens and --limit must be positive")
     tree = _tree_kwargs(args)
+    if any(v <= 0 for v in tree.values()):
+        raise SpecDecodeError("--tree-width, --tree-depth and --tree-nodes must be positive")
     if tree and methods is not None and "tree" not in methods:
         raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to method tree, which is not benchmarked")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
@@ -209,27 +211,18 @@ def bench(args) -> None:
     sys.stdout.write(report(results).split("\n## Per prompt")[0] + f"\nwritten to {out}/\n")
 
 
-def check_args(args) -> None:
-    """Fail fast, before a model load that can take a minute."""
-    from .sampling import SamplingParams
-    SamplingParams(args.temperature, args.top_k, args.top_p)
-    for name in ("max_new_tokens", "gamma", "threads"):
-        if name == "threads" and args.threads is None:
-            continue
-        if getattr(args, name) <= 0:
-            raise SpecDecodeError(f"{name} must be a positive integer, got {getattr(args, name)}")
-    if args.method == "draft" and args.target is not None and args.draft is None:
-        raise SpecDecodeError("method 'draft' needs a draft model: pass --draft (or use --method pld)")
-    if _tree_kwargs(args) and args.method != "tree":
-        raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to --method tree only")
-
-
 def generate(args) -> None:
+    """The Engine checks the arguments (SpecDecodeError: exit 2 with its message). The sampling settings are
+    checked by the Engine's own SamplingParams before the model load, which can take a minute."""
     from .engine import Engine
+    from .sampling import SamplingParams
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt:
-        raise SpecDecodeError("the prompt is empty")
-    check_args(args)
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    # not checked by the Engine: threads at all, gamma for the methods that do not use it (auto, tree, ...)
+    if args.threads is not None and args.threads <= 0:
+        raise SpecDecodeError(f"threads must be a positive integer, got {args.threads}")
+    if args.gamma <= 0:
+        raise SpecDecodeError(f"gamma must be a positive integer, got {args.gamma}")  # the Engine's words
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=args.method in ("draft", "tree", "auto"), progress=not args.json,
                          draft_quant=args.draft_quant, datastore=args.datastore)
@@ -259,18 +252,33 @@ def generate(args) -> None:
                      f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s | finish: {s.finish_reason} | backend {engine.backend}\n")
 
 
+# what `specdecode serve` and `specdecode bench` import beyond the core, and the extra that installs it
+EXTRAS = {"serve": ("server", ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "anyio")),
+          "bench": ("bench", ("matplotlib",))}
+
+
+def require_extra(command: str) -> None:
+    extra, modules = EXTRAS[command]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecDecodeError(f"`specdecode {command}` needs {', '.join(missing)}, which is not installed: "
+                              f"pip install \"specdecode[{extra}]\" (from a checkout: pip install -e \".[{extra}]\")")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             generate(args)
         elif args.command == "bench":
+            require_extra("bench")
             bench(args)
         elif args.command == "certify":
             return certify(args)
         elif args.command == "index":
             index(args)
         elif args.command == "serve":
+            require_extra("serve")
             from .server import serve
             serve(args)
     except SpecDecodeError as e:

@@ -146,9 +146,9 @@ class Service:
         return stream
 
     def _open_stream(self, prompt, kwargs):
-        # Opening a stream reads only the tokenizer, except that the tree and auto methods measure the pass
-        # costs on first use (once per machine): that runs the models, so it waits for the worker.
-        if kwargs["method"] in ("tree", "auto") and getattr(self.engine, "costs", None) is None:
+        # Opening a stream reads only the tokenizer, except that the methods that plan on the cost model measure
+        # the pass costs on first use (once per machine): that runs the models, so it waits for the worker.
+        if kwargs["method"] in ("tree", "auto", "lookup") and getattr(self.engine, "costs", None) is None:
             with self.worker.lock:
                 return self.engine.stream(prompt, **kwargs)
         return self.engine.stream(prompt, **kwargs)
