@@ -12,8 +12,10 @@ import os
 import pytest
 import torch
 
+from helpers import DEFAULT_PAIR_MARKS
 from specdecode.models import cache_dir
 
+pytestmark = DEFAULT_PAIR_MARKS
 USER_CACHE = str(cache_dir())  # read before the per-test cache isolation of conftest
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from helpers import needs_default_pair
 from specdecode.errors import SpecDecodeError
 from specdecode.models import BUILTIN, DEFAULT_DRAFT, ChunkedGGUF, assemble, cache_dir, converted, load_model
 
@@ -22,12 +23,14 @@ def test_missing_chunk_package_says_how_to_install():
         assemble(fake, progress=False)
 
 
+@needs_default_pair
 def test_wrong_version_is_reported():
     real = BUILTIN[DEFAULT_DRAFT]
     with pytest.raises(SpecDecodeError, match="is needed"):
         assemble(dataclasses.replace(real, version="0.0.1"), progress=False)
 
 
+@needs_default_pair
 def test_corrupt_chunks_fail_the_hash_and_leave_no_cache():
     real = BUILTIN[DEFAULT_DRAFT]
     bad = dataclasses.replace(real, sha256="f" * 64)
@@ -37,6 +40,7 @@ def test_corrupt_chunks_fail_the_hash_and_leave_no_cache():
     assert leftovers == []  # the temp file is removed, nothing renamed into place
 
 
+@needs_default_pair
 def test_size_mismatch_is_reported():
     real = BUILTIN[DEFAULT_DRAFT]
     with pytest.raises(SpecDecodeError, match="bytes, expected"):
