@@ -264,7 +264,20 @@ METHODS = {
     "tree": (dict(method="tree"), WIDE),
     "auto": (dict(method="auto"), NARROW),
     "auto-lookup": (dict(method="auto"), NO_DRAFT),
+    # the lookup drafter alone (no draft model): trees of deterministic guesses, several siblings per node
+    # (from a datastore of random text and the engine's earlier outputs), planned on the cheap-verification table
+    "lookup": (dict(method="lookup"), WIDE),
 }
+
+
+def _lookup_sources(engine, monkeypatch, tmp_dir):
+    """A datastore of random text over the tiny vocabulary (continuations branch) and an output history."""
+    from specdecode.lookup import History, build_datastore, tokenizer_fingerprint
+    rng = random.Random(5)
+    docs = [[rng.randrange(V) for _ in range(rng.randint(5, 60))] for _ in range(60)]
+    build_datastore(docs, tmp_dir / "ds", tokenizer_fingerprint(engine.tokenizer), vocab_size=V, progress=False)
+    engine.use_datastore(str(tmp_dir / "ds"))
+    monkeypatch.setattr(engine, "history", History(2000))
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +354,7 @@ def _spy_on_tree_drafts(monkeypatch):
         _DRAFTS.append((drawn, lookup, draft.parents is not None))
         return draft
 
-    spy.is_spy = True
+    spy.is_spy = True  # (lookup guesses have conf None and q None: counted as lookup, not drawn)
     monkeypatch.setattr(TreeDrafter, "_draft", spy)
 
 
@@ -445,6 +458,11 @@ def sample_engine(engine, monkeypatch, method: str, setting: str, n: int, seed0:
     kwargs, costs = METHODS[method]
     kwargs = {**kwargs, **SETTINGS[setting]}
     monkeypatch.setattr(engine, "costs", costs)
+    if method == "lookup":
+        import tempfile
+        from pathlib import Path
+        monkeypatch.setattr(engine, "datastore", None)
+        _lookup_sources(engine, monkeypatch, Path(tempfile.mkdtemp()))
     # auto runs its first AUTO_PROBE_STEPS steps of each generation without the draft model (a measured
     # baseline); with 3 tokens per generation it would never draft: the draft model drafts from step 1
     monkeypatch.setattr(engine_mod, "AUTO_PROBE_STEPS", 0, raising=False)
@@ -513,13 +531,15 @@ def controls(method: str, setting: str) -> list[str]:
     tree, so a wrong chain verifier hardly shows there; pruning by q < 0.2 hardly ever prunes a top-3
     q, nor the narrow trees of the auto case.)"""
     return {"draft": ["residual_is_p"], "pld": ["residual_is_p"], "auto": ["no_residual_update"],
+            "lookup": ["no_residual_update"],
             "auto-lookup": ["accept_everything"],
             "tree": ["no_residual_update"] + (["prune_drawn_nodes"] if setting != "topk3" else [])}[method]
 
 
 # ============================================================= the tests
 
-CASES = [(m, s) for m in ("draft", "pld", "tree", "auto") for s in SETTINGS] + [("auto-lookup", "topk3")]
+CASES = [(m, s) for m in ("draft", "pld", "tree", "auto") for s in SETTINGS] + [("auto-lookup", "topk3")] + \
+    [("lookup", "T1"), ("lookup", "topp0.7")]
 
 
 def test_cost_tables_choose_what_the_cases_are_about():
@@ -537,8 +557,10 @@ def test_engine_keeps_the_target_law(engine, monkeypatch, method, setting):
     assert s.first_drafted >= 0.95 * N  # the first target pass verified drafted tokens
     assert s.accepted >= 0.2 * N and s.rejected >= 0.2 * N  # both halves of the rule ran, often
     assert s.bonus >= 0.05 * N  # and whole drafts were accepted, with their bonus token
-    if method in ("pld", "auto-lookup"):
+    if method in ("pld", "auto-lookup", "lookup"):
         assert s.strategies.get("lookup", 0) >= 0.5 * N
+    if method == "lookup":  # deterministic trees with siblings, and no draft model
+        assert s.first_drawn == 0 and s.first_lookup >= 0.95 * N and s.first_siblings >= 0.3 * N
     if method == "auto-lookup":
         assert s.first_lookup >= 0.95 * N and s.first_drawn == 0  # the draft model never ran
     if method == "draft":
