@@ -2,10 +2,20 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import random
+from typing import Callable
 
+import numpy as np
 import pytest
+import torch
+from scipy.stats import chisquare
 
+from specdecode import SamplingParams, Stats, speculative_decode
+from specdecode.costs import CostModel
 from specdecode.models import BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET
+
+GREEDY = SamplingParams()
+TreeVerifier = Callable[..., tuple]
 
 
 def default_pair_installed() -> bool:
@@ -33,3 +43,148 @@ def needs_default_pair(test):
     for mark in DEFAULT_PAIR_MARKS:
         test = mark(test)
     return test
+
+
+# ============================================================= statistics (test_verify_stats and the others)
+
+MIN_EXPECTED = 5.0
+
+def gof_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness-of-fit p-value of integer counts against a probability vector.
+
+    Observations in a zero-probability cell are impossible under the hypothesis: p-value 0.
+    Zero-probability cells are otherwise dropped, and cells with expected count < MIN_EXPECTED are
+    merged (smallest first) into bins of expected count >= MIN_EXPECTED.
+    """
+    observed = np.asarray(observed, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    assert observed.shape == probs.shape
+    zero = probs <= 0
+    if observed[zero].sum() > 0:
+        return 0.0
+    obs, prob = observed[~zero], probs[~zero]
+    n = obs.sum()
+    if n == 0 or obs.size < 2:
+        return 1.0
+    exp = prob / prob.sum() * n
+    order = np.argsort(exp, kind="stable")
+    exp, obs = exp[order], obs[order]
+    bins_e, bins_o = [], []
+    acc_e = acc_o = 0.0
+    for e, o in zip(exp, obs):
+        acc_e += e
+        acc_o += o
+        if acc_e >= MIN_EXPECTED:
+            bins_e.append(acc_e)
+            bins_o.append(acc_o)
+            acc_e = acc_o = 0.0
+    if acc_e > 0 or acc_o > 0:  # leftover small bin: merge into the last one
+        if bins_e:
+            bins_e[-1] += acc_e
+            bins_o[-1] += acc_o
+        else:
+            bins_e.append(acc_e)
+            bins_o.append(acc_o)
+    if len(bins_e) < 2:
+        return 1.0
+    bins_e = np.array(bins_e)
+    bins_e *= n / bins_e.sum()  # exact equality of totals for scipy
+    return float(chisquare(np.array(bins_o), bins_e).pvalue)
+
+def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Inverse-CDF sampling over the last dim (faster than torch.multinomial for many small rows).
+
+    Zero-probability tokens are never drawn: u is in (0, 1] and the CDF is exactly 1 at the end.
+    """
+    cdf = probs.double().cumsum(-1)
+    cdf = cdf / cdf[..., -1:]
+    u = 1.0 - torch.rand(probs.shape[:-1], generator=g, dtype=torch.float64)
+    return (cdf < u[..., None]).sum(-1).clamp(max=probs.shape[-1] - 1)
+
+
+# ============================================================= wrong tree verifiers (negative controls)
+
+def no_residual_update(final: str) -> TreeVerifier:
+    """Negative control (i): siblings all tried against the original p (no residual update); when all
+    are rejected, sample from norm(max(0, p - q_first_child)) ("residual") or from p ("p")."""
+
+    def rule(p, tokens, parents, q=None, generator=None):
+        children = [[] for _ in range(len(tokens) + 1)]
+        for i, parent in enumerate(parents):
+            children[parent + 1].append(i)
+        path, row = [], 0
+        while True:
+            dist = p[row]
+            for child in children[row]:
+                x = tokens[child]
+                qx = 1.0 if q is None else float(q[child, x])
+                if float(torch.rand((), generator=generator)) * qx < float(dist[x]):
+                    path.append(child)
+                    row = child + 1
+                    break
+            else:
+                if children[row] and final == "residual":
+                    first = children[row][0]
+                    q_first = torch.zeros_like(dist).index_fill_(0, torch.tensor(tokens[first]), 1.0) if q is None else q[first]
+                    res = (dist - q_first).clamp(min=0)
+                    dist = res / res.sum() if res.sum() > 0 else dist
+                x = int(torch.multinomial(dist, 1, generator=generator))
+                return path, x
+
+    return rule
+
+
+# ============================================================= the loop on token ids
+
+def run(target, drafter, prompt, gamma, n, params=GREEDY, seed=0, eos=frozenset()):
+    stats = Stats()
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for new in speculative_decode(target, drafter, prompt, gamma=gamma, params=params, max_new_tokens=n,
+                                  eos_ids=set(eos), generator=gen, stats=stats):
+        out += new
+    return out, stats
+
+
+# ============================================================= tree shapes (test_kv_tree, test_llamacpp)
+
+def random_tree(n, seed):
+    """Local parents (-1 = the root) of a random tree with n nodes, parent before child."""
+    rng = random.Random(seed)
+    return [rng.randrange(-1, j) for j in range(n)]
+
+def random_tokens(n, seed):
+    rng = random.Random(1000 + seed)
+    # a small alphabet on purpose: siblings and cousins often share a token, so only the mask tells them apart
+    return [rng.choice([7, 11, 13, 200, 201]) for _ in range(n)]
+
+# Local parents of the drafted nodes (index into the node list; -1 = the root).
+# "branches": root has 3 children A(0) B(1) C(2); A has A1(3) A2(4); B -> B1(5) -> B11(7) -> B111(9)
+# (depth 4 below the root); C has C1(6) C2(8). Nodes are interleaved, not laid out branch by branch.
+BRANCHES = [-1, -1, -1, 0, 0, 1, 2, 5, 2, 7]
+
+SHAPES = {
+    "branches": BRANCHES,
+    "chain": [-1, 0, 1, 2, 3, 4],
+    "star": [-1] * 6,
+    "chain_first": [-1, 0, 1, -1, 3, 0, 2, -1],  # the first branch is contiguous in the cache
+    "random": random_tree(12, seed=3),
+    "random_deep": random_tree(10, seed=11),
+}
+
+def path_of(local_parents, j):
+    """Local node indices from the root's first child down to node j."""
+    path = []
+    while j >= 0:
+        path.append(j)
+        j = local_parents[j]
+    return path[::-1]
+
+
+# ============================================================= hand-made pass costs
+
+# width is cheap (a target pass over 32 tokens costs 2 single ones), drafting is cheap
+CHEAP = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4, 32: 2.0}, {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.1})
+
+# width costs linearly, drafting is expensive: speculation hardly ever pays
+EXPENSIVE = CostModel({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 32: 32.0}, {1: 0.5, 8: 4.0})

@@ -5,19 +5,9 @@ import torch
 from specdecode import Engine, SamplingParams, SpecDecodeError, Stats, speculative_decode
 from specdecode.drafters import DraftModel, PromptLookup
 from specdecode.kv import CachedLM
+from helpers import GREEDY, run
 from tiny import byte_tokenizer, tiny_model, tiny_sliding_model
 
-GREEDY = SamplingParams()
-
-
-def run(target, drafter, prompt, gamma, n, params=GREEDY, seed=0, eos=frozenset()):
-    stats = Stats()
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for new in speculative_decode(target, drafter, prompt, gamma=gamma, params=params, max_new_tokens=n,
-                                  eos_ids=set(eos), generator=gen, stats=stats):
-        out += new
-    return out, stats
 
 
 @pytest.fixture(scope="module")

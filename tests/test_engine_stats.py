@@ -58,8 +58,7 @@ from specdecode.kv import CachedLM
 from specdecode.sampling import probs_from_logits, sample
 from specdecode.tree import TreeDrafter, draft_model_can_pay
 from specdecode.verify import verify as real_verify
-from test_verify_stats import gof_pvalue
-from test_verify_tree import no_residual_update
+from helpers import gof_pvalue, no_residual_update
 from tiny import tiny_model
 
 ALPHA = 1e-6  # a p-value at or below this is a failure
@@ -267,7 +266,11 @@ METHODS = {
     # the lookup drafter alone (no draft model): trees of deterministic guesses, several siblings per node
     # (from a datastore of random text and the engine's earlier outputs), planned on the cheap-verification table
     "lookup": (dict(method="lookup"), WIDE),
+    # a draft whose output layer keeps 5 of the 8 tokens (FR-Spec): q is zero on f, g, h, which the target
+    # still emits; its own engine (the truncation changes the draft model)
+    "draft-frspec": (dict(method="draft", gamma=2), None),
 }
+FRSPEC_KEEP = [0, 1, 2, 3, 4]
 
 
 def _lookup_sources(engine, monkeypatch, tmp_dir):
@@ -284,6 +287,15 @@ def _lookup_sources(engine, monkeypatch, tmp_dir):
 def engine():
     tok = CharTokenizer()
     eng = Engine(ReplayModel(small_model(TARGET_SEED)), tok, ReplayModel(small_model(DRAFT_SEED)), tok)
+    eng.progress = False
+    return eng
+
+
+@pytest.fixture(scope="module")
+def frspec_engine():
+    tok = CharTokenizer()
+    eng = Engine(ReplayModel(small_model(TARGET_SEED)), tok, ReplayModel(small_model(DRAFT_SEED)), tok)
+    eng.draft_model.truncate(FRSPEC_KEEP)
     eng.progress = False
     return eng
 
@@ -502,6 +514,17 @@ def residual_is_p(p, q, draft_tokens, generator=None):
     return accepted, sample(p[torch.arange(p.shape[0]), accepted], generator)
 
 
+_FULL_DRAFT = {}
+
+
+def with_full_q(p, q, draft_tokens, generator=None):
+    """The q rows renormalised over all V tokens as if the output layer were whole: each row mixed
+    with the uniform law (what a forgotten truncation would make of q). Wrong: tokens are drawn from
+    the truncated q, so the acceptance ratio p/q is off."""
+    q = 0.5 * q + 0.5 / q.shape[-1]
+    return real_verify(p, q, draft_tokens, generator)
+
+
 def prune_drawn_nodes(self, params):
     """A sampled tree that drops the drawn nodes the draft found unlikely (q < 0.2), with their
     subtrees, after drawing them: the survivors are no longer draws from the q rows they carry."""
@@ -520,6 +543,8 @@ def _wrong(monkeypatch, control: str):
     elif control == "no_residual_update":  # siblings tried against p itself (test_verify_tree's control)
         monkeypatch.setattr(engine_mod, "verify_tree", no_residual_update("p"))
         monkeypatch.setattr(engine_mod, "verify", residual_is_p)  # (chains in a tree method)
+    elif control == "full_q":  # drafts from the truncated q but verifies with the whole draft's softmax
+        monkeypatch.setattr(engine_mod, "verify", with_full_q)
     elif control == "prune_drawn_nodes":
         monkeypatch.setattr(TreeDrafter, "_select", prune_drawn_nodes)
     else:
@@ -531,6 +556,7 @@ def controls(method: str, setting: str) -> list[str]:
     tree, so a wrong chain verifier hardly shows there; pruning by q < 0.2 hardly ever prunes a top-3
     q, nor the narrow trees of the auto case.)"""
     return {"draft": ["residual_is_p"], "pld": ["residual_is_p"], "auto": ["no_residual_update"],
+            "draft-frspec": ["residual_is_p", "full_q"],
             "lookup": ["no_residual_update"],
             "auto-lookup": ["accept_everything"],
             "tree": ["no_residual_update"] + (["prune_drawn_nodes"] if setting != "topk3" else [])}[method]
@@ -539,7 +565,7 @@ def controls(method: str, setting: str) -> list[str]:
 # ============================================================= the tests
 
 CASES = [(m, s) for m in ("draft", "pld", "tree", "auto") for s in SETTINGS] + [("auto-lookup", "topk3")] + \
-    [("lookup", "T1"), ("lookup", "topp0.7")]
+    [("lookup", "T1"), ("lookup", "topp0.7"), ("draft-frspec", "T1")]
 
 
 def test_cost_tables_choose_what_the_cases_are_about():
@@ -547,7 +573,8 @@ def test_cost_tables_choose_what_the_cases_are_about():
 
 
 @pytest.mark.parametrize("method, setting", CASES, ids=[f"{m}-{s}" for m, s in CASES])
-def test_engine_keeps_the_target_law(engine, monkeypatch, method, setting):
+def test_engine_keeps_the_target_law(request, monkeypatch, method, setting):
+    engine = request.getfixturevalue("frspec_engine" if method == "draft-frspec" else "engine")
     law = law_of(setting)
     counts, s = sample_engine(engine, monkeypatch, method, setting, N)
     p = pvalues(counts, law)
@@ -563,8 +590,10 @@ def test_engine_keeps_the_target_law(engine, monkeypatch, method, setting):
         assert s.first_drawn == 0 and s.first_lookup >= 0.95 * N and s.first_siblings >= 0.3 * N
     if method == "auto-lookup":
         assert s.first_lookup >= 0.95 * N and s.first_drawn == 0  # the draft model never ran
-    if method == "draft":
+    if method in ("draft", "draft-frspec"):
         assert s.first_nodes == 2 * N  # gamma = 2: a two-token chain
+    if method == "draft-frspec":  # the target emits tokens the draft can no longer propose
+        assert counts[5:].sum() + counts[:, 5:].sum() + counts[:, :, 5:].sum() >= 0.05 * N
     if method in ("tree", "auto"):
         assert s.first_drawn >= 0.95 * N  # the draft model drafts
     if method == "tree":

@@ -4,13 +4,14 @@ Reference for every check: a fresh CachedLM that prefills the same text as a pla
 node's logits must equal the last-position logits of (prompt + root + its ancestors + itself); after
 `rollback(length, path)` the cache must behave exactly like a fresh prefill of the committed text.
 """
-import random
+import random  # noqa: F401
 
 import pytest
 import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.kv import CachedLM
+from helpers import BRANCHES, SHAPES, path_of, random_tokens, random_tree  # noqa: F401
 from tiny import tiny_model, tiny_sliding_model
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -26,41 +27,6 @@ def model():
 def chain_logits(model, ids):
     """Last-position logits of a fresh plain-chain prefill of ids."""
     return CachedLM(model).forward(list(ids), last_only=True)[-1]
-
-
-def random_tree(n, seed):
-    """Local parents (-1 = the root) of a random tree with n nodes, parent before child."""
-    rng = random.Random(seed)
-    return [rng.randrange(-1, j) for j in range(n)]
-
-
-def random_tokens(n, seed):
-    rng = random.Random(1000 + seed)
-    # a small alphabet on purpose: siblings and cousins often share a token, so only the mask tells them apart
-    return [rng.choice([7, 11, 13, 200, 201]) for _ in range(n)]
-
-
-# Local parents of the drafted nodes (index into the node list; -1 = the root).
-# "branches": root has 3 children A(0) B(1) C(2); A has A1(3) A2(4); B -> B1(5) -> B11(7) -> B111(9)
-# (depth 4 below the root); C has C1(6) C2(8). Nodes are interleaved, not laid out branch by branch.
-BRANCHES = [-1, -1, -1, 0, 0, 1, 2, 5, 2, 7]
-SHAPES = {
-    "branches": BRANCHES,
-    "chain": [-1, 0, 1, 2, 3, 4],
-    "star": [-1] * 6,
-    "chain_first": [-1, 0, 1, -1, 3, 0, 2, -1],  # the first branch is contiguous in the cache
-    "random": random_tree(12, seed=3),
-    "random_deep": random_tree(10, seed=11),
-}
-
-
-def path_of(local_parents, j):
-    """Local node indices from the root's first child down to node j."""
-    path = []
-    while j >= 0:
-        path.append(j)
-        j = local_parents[j]
-    return path[::-1]
 
 
 def tree_pass(lm, root, tokens, local_parents):

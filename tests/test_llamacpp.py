@@ -43,10 +43,8 @@ from specdecode.llamacpp import LlamaLM  # noqa: E402
 from specdecode.models import cache_dir, load_lm, resolve_backend  # noqa: E402
 from specdecode.sampling import probs_from_logits, sample  # noqa: E402
 from specdecode.verify import verify as real_verify  # noqa: E402
-from test_kv_tree import BRANCHES, SHAPES, path_of, random_tokens, random_tree  # noqa: E402
-from test_tree import CHEAP, EXPENSIVE  # noqa: E402
-from test_verify_stats import gof_pvalue  # noqa: E402
-from test_verify_tree import no_residual_update  # noqa: E402
+from helpers import (BRANCHES, CHEAP, EXPENSIVE, SHAPES, gof_pvalue, no_residual_update, path_of,  # noqa: E402
+                     random_tokens, random_tree)
 from tiny import byte_tokenizer, tiny_model  # noqa: E402
 from tinygguf import write_tiny_gguf  # noqa: E402
 

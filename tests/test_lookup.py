@@ -8,6 +8,7 @@ import pytest
 from specdecode import Engine, SpecDecodeError
 from specdecode.lookup import (SEP, Datastore, History, Lookup, NgramIndex, build_datastore, continuation_tree,
                                index_files, tokenizer_fingerprint)
+from helpers import CHEAP
 from tiny import byte_tokenizer, tiny_model
 
 
@@ -95,7 +96,6 @@ def test_history_against_brute_force_through_compactions(seed):
     rng = random.Random(seed)
     h = History(max_tokens=rng.randint(20, 80), max_n=3)
     live: dict[int, list[int]] = {}
-    order: list[int] = []
     for k in range(40):
         out = random_stream(rng, rng.randint(1, 12), 4)
         before = dict(h.live)
@@ -203,7 +203,6 @@ TEXTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n
 
 @pytest.fixture
 def engine(tmp_path):
-    from test_tree import CHEAP  # hand-made pass costs: verification nearly free, the draft cheap
     tok = byte_tokenizer()
     index_dir = tmp_path / "src"
     index_dir.mkdir()
@@ -225,7 +224,7 @@ def test_every_source_keeps_greedy_output(engine):
             for p in prompts:
                 out = engine.generate(p, method=method, max_new_tokens=40)
                 assert out.token_ids == plain[p], (method, p)
-                assert out.stats.tree["lookup_sources"] == ["context", "history", "datastore"]
+                assert out.stats.lookup_sources == ["context", "history", "datastore"]
                 for s, v in out.stats.sources.items():
                     accepted[s] = accepted.get(s, 0) + v["accepted"]
                 assert sum(v["accepted"] for v in out.stats.sources.values()) == out.stats.accepted
@@ -237,7 +236,6 @@ def test_datastore_guesses_are_accepted_when_the_target_writes_them(tmp_path):
     """A datastore holding exactly what the target writes: lookup alone, no draft model, accepts it."""
     tok = byte_tokenizer()
     eng = Engine(tiny_model(0), tok)
-    from test_tree import CHEAP
     eng.costs, eng.progress = CHEAP, False
     prompt = "the quick brown"
     plain = eng.generate(prompt, method="autoregressive", max_new_tokens=60)
@@ -261,7 +259,6 @@ def _other_tokenizer():
 def test_lookup_method_needs_no_draft_model_and_stays_a_chain_without_trees(monkeypatch):
     tok = byte_tokenizer()
     eng = Engine(tiny_model(0), tok)
-    from test_tree import CHEAP
     eng.costs, eng.progress = CHEAP, False
     prompt = "abc abc abc abd abc abe abc"
     plain = eng.generate(prompt, method="autoregressive", max_new_tokens=30)

@@ -24,15 +24,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import specdecode.engine as engine_mod
 from specdecode import Engine, SpecDecodeError
-from specdecode.costs import CostModel
 from specdecode.drafters import DraftModel
 from specdecode.kv import CachedLM
-from test_engine import run
+from helpers import CHEAP, run
 from tiny import byte_tokenizer, tiny_model, tiny_sliding_model
 
 V = 257
-# width is cheap and drafting is cheap: the planner grows real trees (as in test_tree.CHEAP)
-CHEAP = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4, 32: 2.0}, {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.1})
 
 
 def engine_with(target, draft=None, costs=CHEAP) -> Engine:

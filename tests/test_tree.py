@@ -22,16 +22,11 @@ from specdecode.drafters import DraftModel
 from specdecode.kv import CachedLM
 from specdecode.sampling import probs_from_logits
 from specdecode.tree import MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeDrafter
-from test_engine import run  # the loop driven on token ids
-from test_verify_tree import no_residual_update
+from helpers import CHEAP, EXPENSIVE, no_residual_update, run  # run: the loop driven on token ids
 from tiny import tiny_model
 
 GREEDY = SamplingParams()
 V = 257
-# width is cheap (a target pass over 32 tokens costs 2 single ones), drafting is cheap
-CHEAP = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4, 32: 2.0}, {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.1})
-# width costs linearly, drafting is expensive: speculation hardly ever pays
-EXPENSIVE = CostModel({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 32: 32.0}, {1: 0.5, 8: 4.0})
 
 PROMPTS = [
     [5, 17, 42, 99, 3],

@@ -27,14 +27,13 @@ from typing import Callable, Optional
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 from specdecode.verify import verify
+from helpers import _draw, gof_pvalue
 
 N = 100_000  # sequences, all in the first verifier call
 ALPHA = 1e-6  # a p-value at or below this is a failure
-MIN_EXPECTED = 5.0
 MAX_FULL_JOINT_CELLS = 4096
 
 Verifier = Callable[..., tuple]
@@ -51,49 +50,6 @@ def _one_torch_thread():
 
 
 # ============================================================================ statistics
-
-
-def gof_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness-of-fit p-value of integer counts against a probability vector.
-
-    Observations in a zero-probability cell are impossible under the hypothesis: p-value 0.
-    Zero-probability cells are otherwise dropped, and cells with expected count < MIN_EXPECTED are
-    merged (smallest first) into bins of expected count >= MIN_EXPECTED.
-    """
-    observed = np.asarray(observed, dtype=np.float64).ravel()
-    probs = np.asarray(probs, dtype=np.float64).ravel()
-    assert observed.shape == probs.shape
-    zero = probs <= 0
-    if observed[zero].sum() > 0:
-        return 0.0
-    obs, prob = observed[~zero], probs[~zero]
-    n = obs.sum()
-    if n == 0 or obs.size < 2:
-        return 1.0
-    exp = prob / prob.sum() * n
-    order = np.argsort(exp, kind="stable")
-    exp, obs = exp[order], obs[order]
-    bins_e, bins_o = [], []
-    acc_e = acc_o = 0.0
-    for e, o in zip(exp, obs):
-        acc_e += e
-        acc_o += o
-        if acc_e >= MIN_EXPECTED:
-            bins_e.append(acc_e)
-            bins_o.append(acc_o)
-            acc_e = acc_o = 0.0
-    if acc_e > 0 or acc_o > 0:  # leftover small bin: merge into the last one
-        if bins_e:
-            bins_e[-1] += acc_e
-            bins_o[-1] += acc_o
-        else:
-            bins_e.append(acc_e)
-            bins_o.append(acc_o)
-    if len(bins_e) < 2:
-        return 1.0
-    bins_e = np.array(bins_e)
-    bins_e *= n / bins_e.sum()  # exact equality of totals for scipy
-    return float(chisquare(np.array(bins_o), bins_e).pvalue)
 
 
 # ============================================================================ cases
@@ -228,17 +184,6 @@ CASES = [
 
 
 # ============================================================================ simulation
-
-
-def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """Inverse-CDF sampling over the last dim (faster than torch.multinomial for many small rows).
-
-    Zero-probability tokens are never drawn: u is in (0, 1] and the CDF is exactly 1 at the end.
-    """
-    cdf = probs.double().cumsum(-1)
-    cdf = cdf / cdf[..., -1:]
-    u = 1.0 - torch.rand(probs.shape[:-1], generator=g, dtype=torch.float64)
-    return (cdf < u[..., None]).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def simulate(verifier: Verifier, case: Case, n: int = N, seed: int = 0):

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from specdecode.verify import verify, verify_tree
-from test_verify_stats import _draw, gof_pvalue  # the chain tests' chi-square and sampler
+from helpers import TreeVerifier, _draw, gof_pvalue, no_residual_update  # the chain tests' chi-square and sampler
 
 ALPHA = 1e-6  # a p-value at or below this is a failure
 N = 100_000  # trials per statistical case (one verify_tree call each)
@@ -407,7 +407,6 @@ def build(g, n, scheme: Callable, k1: int, k2: int, order: str = "bfs", pass_q: 
     return Trees(torch.stack(cols, 1), parents, q)
 
 
-TreeVerifier = Callable[..., tuple]
 
 
 @dataclass
@@ -535,36 +534,6 @@ def test_modes_cover_duplicates_and_forbidden_tokens():
 
 
 # ============================================================================ negative controls
-
-
-def no_residual_update(final: str) -> TreeVerifier:
-    """Negative control (i): siblings all tried against the original p (no residual update); when all
-    are rejected, sample from norm(max(0, p - q_first_child)) ("residual") or from p ("p")."""
-
-    def rule(p, tokens, parents, q=None, generator=None):
-        children = [[] for _ in range(len(tokens) + 1)]
-        for i, parent in enumerate(parents):
-            children[parent + 1].append(i)
-        path, row = [], 0
-        while True:
-            dist = p[row]
-            for child in children[row]:
-                x = tokens[child]
-                qx = 1.0 if q is None else float(q[child, x])
-                if float(torch.rand((), generator=generator)) * qx < float(dist[x]):
-                    path.append(child)
-                    row = child + 1
-                    break
-            else:
-                if children[row] and final == "residual":
-                    first = children[row][0]
-                    q_first = one_hot(tokens[first], V, dist.dtype) if q is None else q[first]
-                    res = (dist - q_first).clamp(min=0)
-                    dist = res / res.sum() if res.sum() > 0 else dist
-                x = int(torch.multinomial(dist, 1, generator=generator))
-                return path, x
-
-    return rule
 
 
 def dropped_after_drawing(g, n, threshold=0.15) -> Trees:

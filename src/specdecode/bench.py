@@ -208,7 +208,9 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
                                  pass_costs=costs.as_dict(),
                                  datastore=str(engine.datastore.path) if engine.datastore else None,
                                  datastore_tokens=len(engine.datastore) if engine.datastore else None,
-                                 history_tokens=history.max_tokens if history is not None else 0))
+                                 history_tokens=history.max_tokens if history is not None else 0,
+                                 draft_vocab=len(engine.draft_model.keep)
+                                 if engine.draft_model is not None and engine.draft_model.keep is not None else None))
 
 
 def cpu_description() -> str:

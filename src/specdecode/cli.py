@@ -119,7 +119,8 @@ def certify(args) -> int:
     if args.draws < 1000 or args.max_new_tokens <= 0:
         raise SpecDecodeError("--draws must be at least 1000 and --max-new-tokens positive")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, draft_quant=args.draft_quant, progress=not args.json)
+                         threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                         draft_vocab_from=args.draft_vocab_from, progress=not args.json)
     if engine.draft_model is None:
         methods = [m for m in methods if m != "draft"]
     report = cert.certify(engine, methods=methods, draws=args.draws, max_new_tokens=args.max_new_tokens,
@@ -143,6 +144,11 @@ def _backend_args(parser) -> None:
     parser.add_argument("--draft-quant", choices=["auto", "none", "Q4_0", "Q8_0"], default="auto",
                         help="llama.cpp: run the draft in its fastest type here (auto, measured once), keep the "
                              "file's (none) or force one; the draft never changes the output")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                        help="torch: keep only the K most frequent tokens in the draft's output layer (FR-Spec; "
+                             "frequencies from --draft-vocab-from or --datastore); a lighter draft, same output")
+    parser.add_argument("--draft-vocab-from", default=None, metavar="DIR",
+                        help="the datastore whose token frequencies choose --draft-vocab's tokens")
 
 
 def _lookup_args(parser, history: bool = False, history_default: int = 1_000_000) -> None:
@@ -184,23 +190,19 @@ def _tree_kwargs(args) -> dict:
 def bench(args) -> None:
     from .bench import check_methods, default_methods, load_prompts, parse_methods, report, run_bench, write_outputs
     from .engine import Engine
-    from .sampling import SamplingParams
-    if args.threads is not None and args.threads <= 0:
-        raise SpecDecodeError(f"--threads must be positive, got {args.threads}")
     methods = parse_methods(args.methods) if args.methods else None
+    if args.limit is not None and args.limit <= 0:
+        raise SpecDecodeError(f"--limit must be positive, got {args.limit}")
     prompts = load_prompts(args.prompts, args.limit, all_turns=args.all_turns)
-    SamplingParams(args.temperature)  # the Engine's own check, before loading models
-    # A bad value would reach the Engine only after the models load and the baselines ran (minutes), and
-    # the Engine cannot check its arguments without models: so these are checked here first.
-    if args.gamma <= 0 or args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
-        raise SpecDecodeError("--gamma, --max-new-tokens and --limit must be positive")
     tree = _tree_kwargs(args)
-    if any(v <= 0 for v in tree.values()):
-        raise SpecDecodeError("--tree-width, --tree-depth and --tree-nodes must be positive")
+    # the Engine's own checks, before the models load (a bad value would otherwise stop the run minutes in)
+    Engine.check(method="tree" if tree else "auto", gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, **tree)
     if tree and methods is not None and "tree" not in methods:
         raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to method tree, which is not benchmarked")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, draft_quant=args.draft_quant, datastore=args.datastore,
+                         threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                         draft_vocab_from=args.draft_vocab_from, datastore=args.datastore,
                          history_tokens=args.history_tokens, with_draft=methods is None or bool({"draft", "hf-assisted", "tree", "auto"} & set(methods)))
     if methods is None:
         methods = default_methods(engine)
@@ -215,17 +217,13 @@ def generate(args) -> None:
     """The Engine checks the arguments (SpecDecodeError: exit 2 with its message). The sampling settings are
     checked by the Engine's own SamplingParams before the model load, which can take a minute."""
     from .engine import Engine
-    from .sampling import SamplingParams
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    SamplingParams(args.temperature, args.top_k, args.top_p)
-    # not checked by the Engine: threads at all, gamma for the methods that do not use it (auto, tree, ...)
-    if args.threads is not None and args.threads <= 0:
-        raise SpecDecodeError(f"threads must be a positive integer, got {args.threads}")
-    if args.gamma <= 0:
-        raise SpecDecodeError(f"gamma must be a positive integer, got {args.gamma}")  # the Engine's words
+    Engine.check(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **_tree_kwargs(args))
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=args.method in ("draft", "tree", "auto"), progress=not args.json,
-                         draft_quant=args.draft_quant, datastore=args.datastore)
+                         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                         draft_vocab_from=args.draft_vocab_from, datastore=args.datastore)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop=args.stop, chat=args.chat, **_tree_kwargs(args))

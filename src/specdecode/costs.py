@@ -3,9 +3,7 @@ is shaped by.
 
 CostModel: seconds for one target pass over n tokens and one draft pass over k tokens, measured
 once per machine, model, dtype, device and thread count, and cached as JSON under the cache dir.
-Calibration: the probability that a drafted node is accepted given its parent was, learned online
-from the draft's confidence (EAGLE-2 observes the two track each other; here the map is measured,
-starting from the prior "confidence = acceptance").
+(Calibration, the acceptance learned online, lives in calibration.py and is re-exported here.)
 """
 from __future__ import annotations
 
@@ -17,6 +15,8 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .calibration import Calibration  # noqa: F401  (re-exported)
 
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_SIZES = (1, 2, 4, 8)
@@ -123,26 +123,3 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
     tmp.write_text(json.dumps({"target": costs.target, "draft": costs.draft}, indent=1))
     tmp.replace(path)
     return costs
-
-
-class Calibration:
-    """P(node accepted | parent accepted) as a function of a feature in [0, 1] (the draft's
-    confidence), in bins, each with a Beta prior centred on prior(feature)."""
-
-    def __init__(self, bins: int = 10, weight: float = 4.0, prior=lambda x: x):
-        self.bins, self.weight, self.prior = bins, weight, prior
-        self.hits = [0.0] * bins
-        self.tries = [0.0] * bins
-
-    def _bin(self, x: float) -> int:
-        return min(int(x * self.bins), self.bins - 1)
-
-    def __call__(self, x: float) -> float:
-        b = self._bin(x)
-        centre = self.prior((b + 0.5) / self.bins)
-        return (self.hits[b] + self.weight * centre) / (self.tries[b] + self.weight)
-
-    def update(self, x: float, accepted: bool) -> None:
-        b = self._bin(x)
-        self.hits[b] += accepted
-        self.tries[b] += 1

@@ -9,12 +9,14 @@ the drafted nodes `path` (the accepted branch) and then the token `bonus` are wh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from .errors import SpecDecodeError
 from .kv import as_lm
-from .sampling import SamplingParams
+from .sampling import SamplingParams, probs_from_logits, sample
 
 
 @dataclass
@@ -41,14 +43,67 @@ class Draft:
         return max(depth, default=0)
 
 
+@runtime_checkable
+class Drafter(Protocol):
+    """What the loop (engine.speculative_decode) asks of a drafter: DraftModel, PromptLookup,
+    tree.TreeDrafter. Cache convention: the target's cache holds every committed id but the last,
+    which goes into the next target pass as the root of the draft."""
+
+    def reset(self) -> None:
+        """Forget the previous generation."""
+
+    def prefill(self, ids: list[int]) -> None:
+        """Read the prompt up front (timed as prefill, not drafting)."""
+
+    def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> "Draft":
+        """Guesses that continue ids, at most gamma deep (the loop never drafts what it cannot emit)."""
+
+    def commit(self, length: int, path: list[int], bonus: int) -> None:
+        """ids[:length], then the drafted nodes `path` (the accepted branch), then `bonus` now stand."""
+
+
 class DraftModel:
-    """A small causal LM that shares the target's tokenizer, with its own KV cache. Drafting grows a
-    tree of guesses (tree.py); a chain of gamma tokens is the tree with one child per node."""
+    """A small causal LM that shares the target's tokenizer, with its own KV cache. As a drafter it
+    proposes a chain of gamma tokens; tree.TreeDrafter grows trees with its root and expand passes.
+    Cache invariant: the draft cache holds a prefix of the committed ids (all of them after a root pass)."""
 
     def __init__(self, model, vocab_size: int):
         self.lm = as_lm(model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
         self.vocab_size = vocab_size  # the target's V: q must live on the same support as p
-        self._chain = None
+        self.keep: torch.Tensor | None = None  # the token ids the output layer still has (None: all)
+
+    def truncate(self, keep) -> None:
+        """FR-Spec (Zhao et al. 2025): keep only these rows of the draft's output layer (the most
+        frequent tokens), which is a large share of a small model's forward (151,936 x 896 of the
+        0.5B's 494M weights). The draft then never proposes another token: q is zero there, which the
+        verifier handles as any q (lossless); only the acceptance of rare tokens is lost."""
+        model = getattr(self.lm, "model", None)
+        if model is None or not hasattr(model, "get_output_embeddings"):
+            raise SpecDecodeError("a truncated draft vocabulary needs the torch backend: llama.cpp computes the "
+                                  "whole output layer in its graph")
+        head = model.get_output_embeddings()
+        if self.keep is not None:
+            raise SpecDecodeError("the draft's output layer is truncated already")
+        keep = torch.as_tensor(sorted({int(i) for i in keep}), dtype=torch.long)
+        if not len(keep) or keep[0] < 0 or keep[-1] >= min(head.weight.shape[0], self.vocab_size):
+            raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{min(head.weight.shape[0], self.vocab_size) - 1}")
+        w = head.weight
+        new = torch.nn.Linear(w.shape[1], len(keep), bias=getattr(head, "bias", None) is not None,
+                              device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            new.weight.copy_(w[keep.to(w.device)])
+            if new.bias is not None:
+                new.bias.copy_(head.bias[keep.to(w.device)])
+        model.set_output_embeddings(new)  # the input embeddings stay whole: the draft reads every token
+        self.keep = keep
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary (-inf where the draft has no output row)."""
+        if self.keep is None:
+            return fit_vocab(logits, self.vocab_size)
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.keep] = logits
+        return out
 
     def reset(self) -> None:
         self.lm.reset()
@@ -68,24 +123,31 @@ class DraftModel:
         """Logits [V] of the token after ids, and how many tokens this pass fed. Cache invariant:
         lm.ids is a prefix of ids (commit keeps it so); feed what it lacks."""
         pending = ids[len(self.lm):]
-        return fit_vocab(self.lm.forward(pending, last_only=True)[-1], self.vocab_size), len(pending)
+        return self._full(self.lm.forward(pending, last_only=True)[-1]), len(pending)
 
     def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """One pass over tree nodes (parents: draft-cache indices); logits [k, V] after each."""
-        return fit_vocab(self.lm.forward(tokens, parents=parents), self.vocab_size)
+        return self._full(self.lm.forward(tokens, parents=parents))
 
     def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> Draft:
-        from .tree import TreeDrafter  # the chain is the one-child tree
+        """A chain: gamma draft passes, each token drawn from the draft's q (greedy: its argmax)."""
         gamma = min(gamma, self.room(len(ids)))
         if gamma <= 0:  # the draft's context is full: a plain step
-            self._chain = None
             return Draft([], None)
-        self._chain = TreeDrafter(self, pld=False, width=1, depth=gamma, adaptive=False)
-        return self._chain.propose(ids, gamma, params, generator)
+        logits, _ = self.root(ids)
+        tokens, qs = [], []
+        for i in range(gamma):
+            q = probs_from_logits(logits, params)
+            tokens.append(int(q.argmax()) if params.greedy else int(sample(q, generator)))
+            qs.append(q)
+            if i + 1 < gamma:  # the last token is fed with the next step's root pass, if accepted
+                logits = self._full(self.lm.forward(tokens[-1:], last_only=True)[-1])
+        q = None if params.greedy else torch.stack(qs)  # greedy: one-hot q
+        return Draft(tokens, q, strategy="draft", sources=["draft"] * len(tokens))
 
     def commit(self, length: int, path: list[int], bonus: int) -> None:
-        if self._chain is not None:
-            self._chain.commit(length, path, bonus)
+        """Keep ids[:length] and the accepted draft tokens the cache holds (the next root feeds the rest)."""
+        self.lm.rollback(min(length + len(path), len(self.lm)))
 
 
 class PromptLookup:

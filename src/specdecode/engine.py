@@ -13,9 +13,9 @@ from typing import Iterator
 
 import torch
 
-from .drafters import Draft, DraftModel, PromptLookup
+from .drafters import Draft, Drafter, DraftModel, PromptLookup
 from .errors import SpecDecodeError
-from .kv import CachedLM, as_lm
+from .kv import LM, as_lm
 from .lookup import Datastore, History, Lookup, tokenizer_fingerprint
 from .sampling import SamplingParams, probs_from_logits
 from .tree import TreeDrafter, TreeState, draft_model_can_pay
@@ -46,6 +46,7 @@ class Stats:
     plain_step_s: float | None = None  # the cost model's seconds of one plain decoding step
     strategies: dict = field(default_factory=dict)  # target passes by what ran: plain, lookup, draft, tree
     sources: dict = field(default_factory=dict)  # source -> {"drafted": n, "accepted": n}: draft, context, history, datastore
+    lookup_sources: list = field(default_factory=list)  # the lookup sources this generation drew from
     wall_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -154,10 +155,12 @@ class Generation:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.as_dict()}
 
 
-def speculative_decode(target: CachedLM, drafter, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
+def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
                        max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None,
                        stats: Stats) -> Iterator[list[int]]:
-    """Yield newly committed token ids, step by step. stats is filled in as it goes."""
+    """Yield newly committed token ids, step by step. stats is filled in as it goes. gamma: the most
+    tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
+    still be emitted."""
     if len(prompt_ids) >= target.max_length:
         raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
                               f"{target.max_length}, so no token can be generated")
@@ -258,6 +261,21 @@ class Engine:
         """Draft from this datastore from now on (None: from none); it must share the tokenizer."""
         self.datastore = None if path is None else Datastore(path, tokenizer_fingerprint(self.tokenizer))
 
+    def truncate_draft_vocab(self, k: int, source: str | None = None) -> int:
+        """FR-Spec: keep the k most frequent tokens of a datastore (source, default: the engine's own)
+        in the draft's output layer, plus every special token (EOS and the tokenizer's added tokens).
+        Returns the number of rows kept."""
+        if self.draft_model is None:
+            raise SpecDecodeError("--draft-vocab needs a draft model")
+        if source is None and self.datastore is None:
+            raise SpecDecodeError("--draft-vocab needs token frequencies: --draft-vocab-from DIR (a datastore built "
+                                  "by `specdecode index` from a corpus like your prompts) or --datastore DIR")
+        ds = self.datastore if source is None else Datastore(source, tokenizer_fingerprint(self.tokenizer))
+        added = set(self.tokenizer.get_added_vocab().values())
+        keep = set(ds.top_tokens(k)) | self.eos_ids | added
+        self.draft_model.truncate([i for i in keep if i < self.vocab_size])
+        return len(self.draft_model.keep)
+
     def _lookup(self) -> Lookup:
         return Lookup(self.history, self.datastore)
 
@@ -265,17 +283,31 @@ class Engine:
     def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
              dtype: str | None = None, device: str | None = None, with_draft: bool = True, progress: bool = True,
              threads: int | None = None, draft_quant: str = "auto", history_tokens: int = 0,
-             datastore: str | None = None) -> "Engine":
+             datastore: str | None = None, draft_vocab: int | None = None,
+             draft_vocab_from: str | None = None) -> "Engine":
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
         "torch" or "llama.cpp". draft_quant (llama.cpp): "auto" runs the draft in whichever of its
         file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output),
-        "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine."""
-        from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_lm
+        "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine.
+        draft_vocab (torch): truncate the draft's output layer to this many most frequent tokens of
+        draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab."""
+        from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_lm, resolve_backend
         if target is None:
             target = DEFAULT_TARGET
             draft = draft or DEFAULT_DRAFT
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads <= 0):
+            raise SpecDecodeError(f"threads must be a positive integer, got {threads!r}")
+        if draft_vocab is not None:  # before loading anything
+            if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab <= 0:
+                raise SpecDecodeError(f"draft_vocab must be a positive integer, got {draft_vocab!r}")
+            if draft and resolve_backend(backend, draft, device) != "torch":
+                raise SpecDecodeError("--draft-vocab (a truncated draft output layer) needs the torch backend "
+                                      "(--backend torch): llama.cpp computes the whole output layer in its graph")
+            if draft_vocab_from is None and datastore is None:
+                raise SpecDecodeError("--draft-vocab needs token frequencies: --draft-vocab-from DIR (a datastore "
+                                      "built by `specdecode index`) or --datastore DIR")
         t_model, t_tok, t_backend = load_lm(target, backend, dtype=dtype, device=device, progress=progress,
                                             threads=threads)
         d_model = d_tok = None
@@ -284,6 +316,8 @@ class Engine:
                                                 threads=threads, quant=draft_quant if backend != "torch" else None)
         engine = cls(t_model, t_tok, d_model, d_tok, history_tokens=history_tokens, datastore=datastore)
         engine.progress = progress
+        if draft_vocab is not None and engine.draft_model is not None:
+            engine.truncate_draft_vocab(draft_vocab, draft_vocab_from)
         return engine
 
     @property
@@ -349,12 +383,10 @@ class Engine:
         method="tree": gamma is not used; tree_width (children per node and frontier nodes per
         depth), tree_depth and tree_nodes (nodes per target pass) fix the tree's shape where given,
         and the cost model picks the rest."""
-        params = SamplingParams(temperature, top_k, top_p)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise SpecDecodeError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        params = self.check(method=method, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, stop=stop, tree_width=tree_width, tree_depth=tree_depth,
+                            tree_nodes=tree_nodes)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise SpecDecodeError("stop strings must be non-empty strings")
         prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
         drafter = self._drafter(method, gamma, params, tree_width, tree_depth, tree_nodes)
         # a stop string that is a special token never shows in the decoded text: stop on its id
@@ -366,8 +398,9 @@ class Engine:
         else:
             generator.manual_seed(seed)
         stats = Stats(method=method, gamma=gamma if method in ("draft", "pld") else 0, prompt_tokens=len(prompt_ids))
+        depth_cap = gamma  # what one step may draft: a chain's length; a tree drafter's own depth cap
         if method in ("tree", "auto", "lookup"):
-            gamma = drafter.max_depth
+            depth_cap = drafter.max_depth
             stats.plain_step_s = self.costs.t(1)
         if method == "auto":
             stats.tree = {"draft_model": drafter.model is not None}
@@ -375,9 +408,11 @@ class Engine:
             stats.tree = {"width": drafter.width, "depth": drafter.max_depth, "nodes": drafter.max_nodes,
                           "chosen_by_cost_model": [k for k, v in (("width", tree_width), ("depth", tree_depth),
                                                                    ("nodes", tree_nodes)) if v is None]}
-        if method in ("auto", "lookup", "tree"):
-            stats.tree = {**(stats.tree or {}), "lookup_sources": drafter.lookup.sources if drafter.lookup else []}
-        steps = speculative_decode(self.target, drafter, prompt_ids, gamma=gamma, params=params,
+        if method in ("auto", "lookup", "tree") and drafter.lookup is not None:
+            stats.lookup_sources = drafter.lookup.sources
+        elif method == "pld":
+            stats.lookup_sources = ["context"]
+        steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
                                    generator=generator, stats=stats)
         if self.history is not None:
@@ -395,14 +430,30 @@ class Engine:
             steps.close()
             self.history.add(prompt_ids, out)
 
-    def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None):
+    @staticmethod
+    def check(*, method: str = "auto", gamma: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
+              top_k: int = 0, top_p: float = 1.0, stop=None, tree_width=None, tree_depth=None,
+              tree_nodes=None) -> SamplingParams:
+        """The request's arguments, checked without models (front ends call it before loading them):
+        SpecDecodeError with a message for the first bad one. Returns the sampling settings."""
+        params = SamplingParams(temperature, top_k, top_p)
         if method not in METHODS:
             raise SpecDecodeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        for name, value in (("tree_width", width), ("tree_depth", depth), ("tree_nodes", nodes)):
+        for name, value in (("gamma", gamma), ("max_new_tokens", max_new_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise SpecDecodeError("stop strings must be non-empty strings")
+        for name, value in (("tree_width", tree_width), ("tree_depth", tree_depth), ("tree_nodes", tree_nodes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
             if value is not None and method != "tree":
                 raise SpecDecodeError(f"{name} applies to method 'tree' only (method is {method!r})")
+        return params
+
+    def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None):
+        """The drafter of one generation (arguments already checked by `check`)."""
         if method == "autoregressive":
             return None
         # every generation plans with a fresh TreeState (what the planner learns about acceptance): a
@@ -428,8 +479,6 @@ class Engine:
                 raise SpecDecodeError(error)
             return TreeDrafter(self.draft_model, pld=True, width=width, depth=depth, nodes=nodes,
                                costs=self.tree_costs(), state=TreeState(), lookup=self._lookup())
-        if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma <= 0:
-            raise SpecDecodeError(f"gamma must be a positive integer, got {gamma!r}")
         if method == "pld":
             return PromptLookup()
         if self.draft_model is None:

@@ -11,11 +11,47 @@ chain, where it is a plain crop). It slices keys and values; nothing is recomput
 """
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import transformers
 from transformers import DynamicCache
 
 from .errors import SpecDecodeError
+
+
+@runtime_checkable
+class LM(Protocol):
+    """A causal LM with its KV cache: the one seam between the engine (drafters, trees, cost model,
+    bench, server) and a backend. CachedLM (torch) and llamacpp.LlamaLM implement it.
+
+    Cache index space: entry i of the cache holds the keys/values of ids[i]; entries [0, trunk) are
+    committed text at positions 0.., the rest a tree of drafted tokens, each with its parent entry."""
+    backend: str  # "torch" | "llama.cpp"
+    name: str
+    vocab_size: int  # rows of the output layer: logits are [n, vocab_size]
+    max_length: int  # positions the model can attend over
+    eos_token_ids: set[int]
+    ids: list[int]  # the token in each cache entry
+
+    def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
+        """Append new_ids to the cache in one pass; float32 logits [n, V] (the last row only with
+        last_only). parents[i]: the cache entry new_ids[i] follows (a tree); None: a chain."""
+
+    def rollback(self, length: int, path: list[int] = ()) -> None:
+        """Keep entries [0, length) and then the entries `path` (an accepted branch), in that order."""
+
+    def reset(self) -> None:
+        """Empty the cache."""
+
+    def __len__(self) -> int:
+        """Entries in the cache."""
+
+    def describe(self) -> str:
+        """What pass costs depend on (the key of the measured cost model)."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing)."""
 
 
 class CachedLM:

@@ -248,6 +248,34 @@ class Datastore:
     def __len__(self) -> int:
         return int(self.meta["tokens"])
 
+    def frequencies(self) -> np.ndarray:
+        """How often each token id occurs in the datastore [vocab_size] (computed once, cached beside it)."""
+        path = self.path / "frequencies.npy"
+        try:
+            freq = np.load(path)
+            if freq.shape == (self.meta["vocab_size"],):
+                return freq
+        except (OSError, ValueError):
+            pass
+        freq = np.zeros(self.meta["vocab_size"], dtype=np.int64)
+        step = 1 << 24
+        for i in range(0, len(self.tokens), step):
+            chunk = np.asarray(self.tokens[i:i + step], dtype=np.int64)
+            chunk = chunk[chunk != DATASTORE_SEP]
+            freq += np.bincount(chunk, minlength=len(freq))[:len(freq)]
+        try:
+            np.save(path, freq)
+        except OSError:
+            pass  # a read-only datastore: computed again next time
+        return freq
+
+    def top_tokens(self, k: int) -> list[int]:
+        """The k most frequent token ids (ties: the lower id)."""
+        if not isinstance(k, int) or k <= 0:
+            raise SpecDecodeError(f"the draft vocabulary size must be a positive integer, got {k!r}")
+        freq = self.frequencies()
+        return np.argsort(-freq, kind="stable")[:k].tolist()
+
     def count(self, pattern: list[int]) -> tuple[int, int]:
         """(occurrences of the token sequence, the first of them in the suffix array)."""
         P = np.asarray(pattern, dtype=">u4").tobytes()

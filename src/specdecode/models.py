@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata as md
-import json
 import os
 import shutil
 import tempfile

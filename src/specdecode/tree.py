@@ -7,12 +7,12 @@ outputs, a datastore) join as extra branches, valued by a calibration of their o
 Greedy trees are then re-ranked: the N most valuable nodes are kept (a node is never worth more
 than its parent, so they form a tree).
 
-Shape: with a CostModel (measured pass costs) each choice (expand one more depth, how many
-frontier nodes, how many nodes to verify) maximises expected tokens per second,
+Shape (planner.py): with a CostModel (measured pass costs) each choice (expand one more depth, how
+many frontier nodes, how many nodes to verify) maximises expected tokens per second,
 (1 + sum of kept values) / (draft time + target time for N+1 tokens); a width/depth/nodes given
 by hand fixes that dimension. When speculation does not pay (modelled rate below plain decoding)
-the drafter stops running the draft model for a while (prompt lookup, free to draft, still proposes
-when it pays) and then tries again.
+the drafter stops running the draft model for a while (lookup, free to draft, still proposes when it
+pays) and then tries again. Node values come from calibration.py, learned from every verdict.
 
 Lossless sampling (verify_tree's contract): a greedy tree is all one-hot nodes, which may be chosen
 and pruned by any draft-side rule. With temperature > 0 the children of an expanded node are
@@ -27,73 +27,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .costs import Calibration, CostModel
+from .calibration import lookup_feature
+from .costs import CostModel
 from .drafters import Draft
-from .lookup import SOURCES, Guess, Lookup
+from .lookup import Guess, Lookup
+from .planner import (MASS_COVER, MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeState, best_cut, chain_speedup,  # noqa: F401
+                      draft_model_can_pay, frontier_width, pays)
 from .sampling import SamplingParams, probs_from_logits, sample
 
-MAX_WIDTH, MAX_DEPTH, MAX_NODES = 4, 8, 32  # caps of an adaptive tree
-MEASURED_DECAY = 0.95  # of the measured rates: about the last 20 steps of each kind count
-MEASURED_MIN_TOKENS = 4.0  # a measured rate is used once it covers this many (decayed) tokens
 MAX_LOOKUP_NODES = 24  # lookup guesses offered to the planner per source and step (it keeps those that pay)
-# A lookup guess is calibrated in a bin of (source, matched n-gram length, observed frequency, depth):
-# a 4-gram match whose continuations all agree is a far better guess than a 1-gram match seen once.
-LOOKUP_NGRAM_EDGES = (2, 3, 5)  # n-gram length buckets: 1 | 2 | 3-4 | 5+
-LOOKUP_FREQ_EDGES = (0.3, 0.6, 0.9)  # observed frequency buckets
-LOOKUP_DEPTH_EDGES = (2, 4)  # depth buckets: 1 | 2-3 | 4+
-_LOOKUP_SHAPE = (len(SOURCES), len(LOOKUP_NGRAM_EDGES) + 1, len(LOOKUP_FREQ_EDGES) + 1, len(LOOKUP_DEPTH_EDGES) + 1)
-LOOKUP_BINS = _LOOKUP_SHAPE[0] * _LOOKUP_SHAPE[1] * _LOOKUP_SHAPE[2] * _LOOKUP_SHAPE[3]
-
-
-def _bucket(x: float, edges) -> int:
-    return sum(x >= e for e in edges)
-
-
-def _lookup_feature(g: Guess) -> float:
-    """The calibration feature in [0, 1) of a lookup guess (the centre of its bin)."""
-    b = (SOURCES.index(g.source), _bucket(g.ngram, LOOKUP_NGRAM_EDGES), _bucket(g.freq, LOOKUP_FREQ_EDGES),
-         _bucket(g.depth, LOOKUP_DEPTH_EDGES))
-    index = ((b[0] * _LOOKUP_SHAPE[1] + b[1]) * _LOOKUP_SHAPE[2] + b[2]) * _LOOKUP_SHAPE[3] + b[3]
-    return (index + 0.5) / LOOKUP_BINS
-
-
-def _lookup_prior(x: float) -> float:
-    """Before any verdict: a guess is worth about half its observed frequency (a 1-gram match
-    rarely continues as it did; bins learn fast, each after a few of its own verdicts)."""
-    index = int(x * LOOKUP_BINS)
-    freq = index // _LOOKUP_SHAPE[3] % _LOOKUP_SHAPE[2]
-    ngram = index // (_LOOKUP_SHAPE[3] * _LOOKUP_SHAPE[2]) % _LOOKUP_SHAPE[1]
-    centre = (0.15, 0.45, 0.75, 0.95)[freq]
-    return centre * (0.4, 0.5, 0.6, 0.7)[ngram]
-
-
-# The per-token acceptance the auto method grants a draft model before it has run it: about the best a
-# same-family draft reaches (the default pair accepts 0.9-0.95 of its greedy guesses on easy code).
-AUTO_ALPHA = 0.9
-AUTO_MARGIN = 1.15  # and it must then beat plain decoding by 15%: measured on llama.cpp, 2 vCPUs, a chain modelled
-# at 1.09x realised 1.02x on HumanEval and 0.70x on MT-bench; probing the draft costs more than that gains
-
-
-def chain_speedup(costs: CostModel, alpha: float, max_depth: int = MAX_DEPTH) -> float:
-    """The best modelled speedup of a draft-model chain over plain decoding on these measured costs,
-    at per-token acceptance alpha: max over k of E[tokens] / (k draft passes + a (k+1)-token target
-    pass), in units of one plain step (Leviathan et al.'s Theorem 3.8 with the measured T(k+1))."""
-    best = 0.0
-    for k in range(1, max_depth + 1):
-        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        best = max(best, tokens * costs.t(1) / (k * costs.d(1) + costs.t(k + 1)))
-    return best
-
-
-def draft_model_can_pay(costs: CostModel, alpha: float = AUTO_ALPHA) -> bool:
-    """Whether the auto method should run the draft model at all on this machine. Where it cannot pay
-    (llama.cpp on 2 cores: a draft pass at ~0.5 and a 2-token pass at ~1.6 plain steps) it never runs
-    it, and decodes plainly or with free prompt-lookup guesses."""
-    return bool(costs.draft) and chain_speedup(costs, alpha) > AUTO_MARGIN
 
 
 @dataclass
-class _Node:
+class Node:
+    """A guessed token. Index spaces: a node's index in TreeDrafter.nodes (its parent's too, -1 = the last
+    committed token); `cache`: its entry in the draft model's KV cache; in the Draft sent to the target
+    the kept nodes are renumbered 0..n-1, and the target's probability row after node i is p[i + 1]."""
     token: int
     parent: int  # node index, -1 = root
     depth: int
@@ -105,30 +54,6 @@ class _Node:
     lookup: float | None = None  # a lookup guess's calibration feature
     source: str = "draft"  # where the token came from: the draft model or a lookup source
     guess: Guess | None = None
-
-
-class TreeState:
-    """What one engine learns online about its drafter, per sampling mode."""
-
-    def __init__(self):
-        # draft confidence -> P(accept | parent accepted), for the draft's first choice and for the others
-        self.draft = (Calibration(), Calibration())
-        # lookup guesses: by source, matched n-gram length, observed frequency and depth
-        self.lookup = Calibration(bins=LOOKUP_BINS, prior=_lookup_prior)
-        self.rho = 0.6  # P(some child accepted | an expanded node accepted): the gain of expanding
-        self.rate = None  # moving average of modelled tokens per second while speculating
-        self.steps = 0
-        self.plain_left = 0  # steps to take without the draft model before trying it again
-        self.backoff = 8
-        # measured, not modelled: decayed sums of (tokens emitted, wall seconds) of the steps that ran the
-        # draft model (True) and of those that did not (False). A cost model measured once can be off
-        # (another process was busy then, the machine changed speed); the two measured rates cannot.
-        self.measured = {True: [0.0, 0.0], False: [0.0, 0.0]}
-        self.measure = False  # decide by the measured rates (the auto method) rather than the modelled ones
-
-    def measured_rate(self, with_model: bool) -> float | None:
-        tokens, seconds = self.measured[with_model]
-        return tokens / seconds if tokens >= MEASURED_MIN_TOKENS and seconds > 0 else None
 
 
 class TreeDrafter:
@@ -150,8 +75,8 @@ class TreeDrafter:
         self.max_depth = depth or MAX_DEPTH
         self.max_nodes = nodes or (MAX_NODES if width is None or depth is None else 10 ** 6)
         self.costs, self.state = costs, state or TreeState()
-        self.nodes: list[_Node] = []  # everything grown this step
-        self.kept: list[_Node] = []  # the nodes sent to the target, in Draft order
+        self.nodes: list[Node] = []  # everything grown this step
+        self.kept: list[Node] = []  # the nodes sent to the target, in Draft order
         self.spent = 0.0  # modelled draft seconds of the current step
 
     def reset(self) -> None:
@@ -168,9 +93,10 @@ class TreeDrafter:
             self.model.prefill(ids)
 
     # -- one step -------------------------------------------------------------------------------
-    def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> Draft:
-        """gamma caps the depth (the engine never drafts what it cannot emit)."""
-        st, max_depth = self.state, min(gamma, self.max_depth)
+    def propose(self, ids: list[int], depth_cap: int, params: SamplingParams, generator=None) -> Draft:
+        """depth_cap: the loop's cap on the depth (it never drafts what it cannot emit); the tree's own
+        cap is max_depth."""
+        st, max_depth = self.state, min(depth_cap, self.max_depth)
         self.nodes, self.spent = [], 0.0
         self._t0 = time.perf_counter()  # the step's wall time runs until commit (after the target's pass)
         backing_off = self.model is not None and self.adaptive and st.plain_left > 0
@@ -206,7 +132,7 @@ class TreeDrafter:
             conf = torch.softmax(logits.float(), -1)
             top = conf.topk(self.width)
             for r, (c, x) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-                made.append(self._add(_Node(x, parent, depth, v_parent * self.state.draft[min(r, 1)](c), c, r)))
+                made.append(self._add(Node(x, parent, depth, v_parent * self.state.draft[min(r, 1)](c), c, r)))
         else:  # drawn children: how many is fixed from q alone, before drawing
             q = probs_from_logits(logits, params)
             k = self.width
@@ -218,7 +144,7 @@ class TreeDrafter:
             for r in range(k):
                 x = int(sample(rest, generator))
                 c = float(q[x])
-                made.append(self._add(_Node(x, parent, depth, v_parent * self.state.draft[min(r, 1)](c), c, r, rest)))
+                made.append(self._add(Node(x, parent, depth, v_parent * self.state.draft[min(r, 1)](c), c, r, rest)))
                 rest = rest.clone()
                 rest[x] = 0.0
                 rest = rest / rest.sum()
@@ -230,25 +156,21 @@ class TreeDrafter:
         enough to cover most of q's mass."""
         top = q.topk(self.width).values.tolist()
         if not self.adaptive:
-            return min(self.width, sum(m < 0.8 for m in torch.tensor(top).cumsum(0).tolist()) + 1)
+            return min(self.width, sum(m < MASS_COVER for m in torch.tensor(top).cumsum(0).tolist()) + 1)
         e = 1.0 + sum(nd.value for nd in self.nodes)
         n = len(self.nodes)
         k = 0
         for r, c in enumerate(top):
             v = v_parent * self.state.draft[min(r, 1)](c)
-            if not self._pays(e, n, v):
+            if not pays(self.costs, self.spent, e, n, v):
                 break
             e, n, k = e + v, n + 1, k + 1
         return k
 
-    def _pays(self, e: float, n: int, v: float) -> bool:
-        """Whether one more node worth v raises the expected rate of a tree of n nodes worth e tokens."""
-        return (e + v) / (self.spent + self.costs.t(n + 2)) > e / (self.spent + self.costs.t(n + 1))
-
     def _cache_index(self, parent: int) -> int:
         return self._root_index if parent < 0 else self.nodes[parent].cache
 
-    def _add(self, node: _Node) -> int:
+    def _add(self, node: Node) -> int:
         self.nodes.append(node)
         return len(self.nodes) - 1
 
@@ -258,16 +180,9 @@ class TreeDrafter:
             return []  # drawn nodes are never pruned: stop growing at the budget
         if not self.adaptive or self.fixed_depth is not None and self.fixed_width is not None:
             return ranked
-        best_rate, n_best, e_best = self._best(params)
-        choice, choice_rate = [], best_rate
-        for w in range(1, len(ranked) + 1):
-            if self.fixed_width is not None and w != len(ranked):
-                continue
-            gain = self.state.rho * sum(self.nodes[i].value for i in ranked[:w])
-            rate = (e_best + gain) / (self.spent + self._d(w) + self.costs.t(n_best + w + 1))
-            if rate > choice_rate or self.fixed_depth is not None and not choice:
-                choice, choice_rate = ranked[:w], rate
-        return choice
+        w = frontier_width([self.nodes[i].value for i in ranked], self.costs, self.spent, self._best(params),
+                           self._d, self.state.rho, self.fixed_width, must_expand=self.fixed_depth is not None)
+        return ranked[:w]
 
     def _ranked(self) -> list[int]:
         return sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].value, self.nodes[i].depth, i))
@@ -275,17 +190,7 @@ class TreeDrafter:
     def _best(self, params: SamplingParams) -> tuple[float, int, float]:
         """(rate, N, expected tokens) of the best tree that can be cut from the nodes so far."""
         values = [self.nodes[i].value for i in self._ranked()]
-        if not params.greedy:  # nothing drawn may be pruned
-            e = 1.0 + sum(values)
-            return e / (self.spent + self.costs.t(len(values) + 1)), len(values), e
-        best = (1.0 / (self.spent + self.costs.t(1)), 0, 1.0)
-        e = 1.0
-        for n, v in enumerate(values[:self.max_nodes], 1):
-            e += v
-            rate = e / (self.spent + self.costs.t(n + 1))
-            if rate > best[0]:
-                best = (rate, n, e)
-        return best
+        return best_cut(values, self.costs, self.spent, keep_all=not params.greedy, max_nodes=self.max_nodes)
 
     def _add_lookup(self, ids: list[int], max_depth: int, greedy: bool) -> None:
         """Join the lookup guesses to the tree (a guess equal to a node already there merges into it)."""
@@ -297,7 +202,7 @@ class TreeDrafter:
                 continue
             if not greedy and len(self.nodes) >= self.max_nodes:  # (a greedy tree is cut to size later)
                 continue
-            feature = _lookup_feature(g)
+            feature = lookup_feature(g)
             value = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup(feature)
             same = [i for i, nd in enumerate(self.nodes) if nd.parent == parent and nd.token == g.token]
             if same:
@@ -306,10 +211,10 @@ class TreeDrafter:
             if self.chains_only and any(nd.parent == parent for nd in self.nodes):
                 continue  # chains only: one child per node
             # one-hot, so droppable; but a sampled tree is not cut later, so decide now
-            if not greedy and self.adaptive and not self._pays(1.0 + sum(nd.value for nd in self.nodes),
-                                                              len(self.nodes), value):
+            if not greedy and self.adaptive and not pays(self.costs, self.spent, 1.0 + sum(nd.value for nd in self.nodes),
+                                                         len(self.nodes), value):
                 continue
-            where[-1] = self._add(_Node(g.token, parent, g.depth, value, None, lookup=feature, source=g.source,
+            where[-1] = self._add(Node(g.token, parent, g.depth, value, None, lookup=feature, source=g.source,
                                         guess=g))
 
     def _select(self, params: SamplingParams) -> list[int]:
@@ -350,7 +255,7 @@ class TreeDrafter:
     def commit(self, length: int, path: list[int], bonus: int) -> None:
         """ids[:length], the kept nodes `path` and then `bonus` now stand: learn from the verdict and
         compact the draft cache."""
-        self._learn_acceptance([self.kept[i].token for i in path] + [bonus])
+        self.state.learn(self.nodes, [self.kept[i].token for i in path] + [bonus])
         kept = self.kept
         if self.lookup is not None:
             self.lookup.accepted([kept[i].guess for i in path if kept[i].guess is not None])
@@ -364,43 +269,8 @@ class TreeDrafter:
             lm.rollback(min(length, len(lm)), branch if len(lm) >= length else [])
         if self.adaptive and self.model is not None:
             used = bool(self.spent)  # this step ran the draft model
-            tokens, seconds = self.state.measured[used]
-            self.state.measured[used] = [MEASURED_DECAY * tokens + len(path) + 1,
-                                         MEASURED_DECAY * seconds + time.perf_counter() - self._t0]
+            self.state.record_step(used, len(path) + 1, time.perf_counter() - self._t0)
             if used:
-                self._learn_rate(len(path) + 1, len(kept))
+                rate = (len(path) + 1) / (self.spent + self.costs.t(len(kept) + 1))
+                self.state.learn_rate(rate, 1.0 / self.costs.t(1))
         self.kept, self.nodes = [], []
-
-    def _learn_acceptance(self, emitted: list[int]) -> None:
-        """Every grown node whose parent's path was emitted was (or, pruned, would have been) tried:
-        it counts as accepted when its token is the one emitted at its depth. Pruned nodes so teach
-        the calibration for free, and the value of a rarely kept kind of node still gets learned."""
-        st, nodes = self.state, self.nodes
-        hit = [False] * len(nodes)
-        for i, nd in enumerate(nodes):  # parents come before children
-            if nd.depth > len(emitted) or (nd.parent >= 0 and not hit[nd.parent]):
-                continue
-            hit[i] = nd.token == emitted[nd.depth - 1]
-            if nd.conf is None:
-                st.lookup.update(nd.lookup, hit[i])
-            else:
-                st.draft[min(nd.rank, 1)].update(nd.conf, hit[i])
-        for i, nd in enumerate(nodes):  # did expanding an accepted node pay?
-            if nd.cache is not None and hit[i]:
-                st.rho = 0.95 * st.rho + 0.05 * any(hit[j] for j, c in enumerate(nodes) if c.parent == i)
-
-    def _learn_rate(self, emitted: int, n_nodes: int) -> None:
-        """Stop using the draft model for a while when its rate stays below that of the steps without
-        it: measured wall-clock rates once both kinds of step have run, the cost model's before."""
-        st = self.state
-        rate = emitted / (self.spent + self.costs.t(n_nodes + 1))
-        st.rate = rate if st.rate is None else 0.9 * st.rate + 0.1 * rate
-        st.steps += 1
-        with_model, without = (st.measured_rate(True), st.measured_rate(False)) if st.measure else (None, None)
-        losing = with_model < without if with_model is not None and without is not None \
-            else st.rate < 1.0 / self.costs.t(1)
-        if st.steps >= 8 and losing:
-            st.plain_left, st.backoff = st.backoff, min(2 * st.backoff, 256)
-            st.rate, st.steps = None, 0
-        elif st.steps >= 32:
-            st.backoff = 8

@@ -324,7 +324,11 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     largest max_tokens accepted (default and upper bound: the model's context). keepalive_s: seconds between
     keep-alive comments on a stream that waits in the queue.
     """
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= p.MAX_GAMMA:
+    from ..engine import Engine
+    Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
+    if method == "draft" and engine.draft_model is None:
+        raise SpecDecodeError("method 'draft' needs a draft model (--draft); or use --method pld / autoregressive")
+    if gamma > p.MAX_GAMMA:
         raise SpecDecodeError(f"gamma must be an integer in 1..{p.MAX_GAMMA} (this server's limit), got {gamma!r}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
         raise SpecDecodeError(f"max_queue must be a positive integer, got {max_queue!r}")
@@ -435,7 +439,8 @@ def serve(args) -> None:
     model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=args.method in ("draft", "tree", "auto") or args.draft is not None,
-                         draft_quant=args.draft_quant, datastore=args.datastore, history_tokens=args.history_tokens)
+                         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                         draft_vocab_from=args.draft_vocab_from, datastore=args.datastore, history_tokens=args.history_tokens)
     if args.method in ("tree", "auto", "lookup"):
         engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
