@@ -11,6 +11,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode import SamplingParams, Stats, speculative_decode
+from specdecode.sampling import sample
+from specdecode.verify import verify as real_verify
 from specdecode.costs import CostModel
 from specdecode.models import BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -188,3 +190,19 @@ CHEAP = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4, 32: 2.0}, {1: 0.05,
 
 # width costs linearly, drafting is expensive: speculation hardly ever pays
 EXPENSIVE = CostModel({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 32: 32.0}, {1: 0.5, 8: 4.0})
+
+
+# ============================================================= wrong chain verifiers (negative controls)
+
+
+def accept_everything(p, q, draft_tokens, generator=None):
+    """WRONG on purpose: keeps every drafted token (the output then follows the drafter)."""
+    gamma = p.shape[1] - 1
+    return torch.full((p.shape[0],), gamma, dtype=torch.long), sample(p[:, gamma], generator)
+
+
+def residual_is_p(p, q, draft_tokens, generator=None):
+    """WRONG on purpose: after a rejection, samples from p instead of norm(max(0, p - q)): a rejected
+    token comes back."""
+    accepted, _ = real_verify(p, q, draft_tokens, generator)
+    return accepted, sample(p[torch.arange(p.shape[0]), accepted], generator)

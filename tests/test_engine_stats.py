@@ -55,10 +55,10 @@ import specdecode.engine as engine_mod
 from specdecode import Engine, SamplingParams
 from specdecode.costs import CostModel
 from specdecode.kv import CachedLM
-from specdecode.sampling import probs_from_logits, sample
+from specdecode.sampling import probs_from_logits
 from specdecode.tree import TreeDrafter, draft_model_can_pay
 from specdecode.verify import verify as real_verify
-from helpers import gof_pvalue, no_residual_update
+from helpers import accept_everything, gof_pvalue, no_residual_update, residual_is_p
 from tiny import tiny_model
 
 ALPHA = 1e-6  # a p-value at or below this is a failure
@@ -502,18 +502,6 @@ def _report(name, s, p):
 # ============================================================= negative controls (WRONG on purpose)
 
 
-def accept_everything(p, q, draft_tokens, generator=None):
-    """Keeps every drafted token (the output then follows the drafter)."""
-    gamma = p.shape[1] - 1
-    return torch.full((p.shape[0],), gamma, dtype=torch.long), sample(p[:, gamma], generator)
-
-
-def residual_is_p(p, q, draft_tokens, generator=None):
-    """After a rejection, samples from p instead of norm(max(0, p - q)): a rejected token comes back."""
-    accepted, _ = real_verify(p, q, draft_tokens, generator)
-    return accepted, sample(p[torch.arange(p.shape[0]), accepted], generator)
-
-
 _FULL_DRAFT = {}
 
 
@@ -521,7 +509,8 @@ def with_full_q(p, q, draft_tokens, generator=None):
     """The q rows renormalised over all V tokens as if the output layer were whole: each row mixed
     with the uniform law (what a forgotten truncation would make of q). Wrong: tokens are drawn from
     the truncated q, so the acceptance ratio p/q is off."""
-    q = 0.5 * q + 0.5 / q.shape[-1]
+    if q is not None:  # (a plain step drafts nothing)
+        q = 0.5 * q + 0.5 / q.shape[-1]
     return real_verify(p, q, draft_tokens, generator)
 
 

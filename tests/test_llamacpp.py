@@ -41,10 +41,9 @@ from specdecode.cli import main  # noqa: E402
 from specdecode.kv import CachedLM  # noqa: E402
 from specdecode.llamacpp import LlamaLM  # noqa: E402
 from specdecode.models import cache_dir, load_lm, resolve_backend  # noqa: E402
-from specdecode.sampling import probs_from_logits, sample  # noqa: E402
-from specdecode.verify import verify as real_verify  # noqa: E402
-from helpers import (BRANCHES, CHEAP, EXPENSIVE, SHAPES, gof_pvalue, no_residual_update, path_of,  # noqa: E402
-                     random_tokens, random_tree)
+from specdecode.sampling import probs_from_logits  # noqa: E402
+from helpers import (BRANCHES, CHEAP, EXPENSIVE, SHAPES, accept_everything, gof_pvalue, no_residual_update,  # noqa: E402
+                     path_of, random_tokens, random_tree, residual_is_p)
 from tiny import byte_tokenizer, tiny_model  # noqa: E402
 from tinygguf import write_tiny_gguf  # noqa: E402
 
@@ -759,18 +758,6 @@ def law(near_engine, target_ref):
     assert abs(law.sum() - 1) < 1e-6 and law[EOS].sum() == law[:, EOS].sum() == 0  # (float32 probabilities)
     assert (law > 0).sum() == 16  # 4 first tokens x 4 second tokens
     return law
-
-
-def accept_everything(p, q, draft_tokens, generator=None):
-    """WRONG on purpose: keeps every drafted token (the output then follows the draft)."""
-    gamma = p.shape[1] - 1
-    return torch.full((p.shape[0],), gamma, dtype=torch.long), sample(p[:, gamma], generator)
-
-
-def residual_is_p(p, q, draft_tokens, generator=None):
-    """WRONG on purpose: after a rejection, samples from p instead of norm(max(0, p - q))."""
-    accepted, _ = real_verify(p, q, draft_tokens, generator)
-    return accepted, sample(p[torch.arange(p.shape[0]), accepted], generator)
 
 
 def test_sampled_draft_chain_keeps_the_target_distribution(near_engine, law, monkeypatch):

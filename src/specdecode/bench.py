@@ -362,12 +362,17 @@ def _f(x, fmt="{:.2f}"):
 
 def report(results: dict) -> str:
     cfg = results["config"]
-    lines = [f"# specdecode bench\n",
+    lines = ["# specdecode bench\n",
              f"{cfg['prompts']} prompts, max_new_tokens={cfg['max_new_tokens']}, gamma={cfg['gamma']}, "
              f"temperature={cfg['temperature']}, {cfg.get('backend', 'torch')} backend on {cfg['device']}: target "
              f"{cfg.get('target', '?')} ({cfg['dtype']}), draft {cfg.get('draft') or '–'} ({cfg.get('draft_dtype') or '–'}), "
              f"{cfg.get('threads', cfg['torch_threads'])} threads\n",
              f"CPU: {cfg.get('cpu', 'n/a')}\n",
+             *([f"Lookup sources: datastore {cfg['datastore']} ({cfg['datastore_tokens']:,} tokens)"
+                + (f"; history {cfg['history_tokens']:,} tokens per method" if cfg.get("history_tokens") else "") + "\n"]
+               if cfg.get("datastore") else [f"Lookup sources: history {cfg['history_tokens']:,} tokens per method\n"]
+               if cfg.get("history_tokens") else []),
+             *([f"Draft output layer: {cfg['draft_vocab']:,} rows (FR-Spec)\n"] if cfg.get("draft_vocab") else []),
              "| method | tok/s | speedup vs autoregressive | tokens per target pass (τ) | acceptance rate | α | "
              "draft cost c | verify cost v | Leviathan bound | efficiency | bound with measured v | greedy agreement |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
