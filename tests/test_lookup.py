@@ -235,8 +235,7 @@ def test_every_source_keeps_greedy_output(engine):
 def test_datastore_guesses_are_accepted_when_the_target_writes_them(tmp_path):
     """A datastore holding exactly what the target writes: lookup alone, no draft model, accepts it."""
     tok = byte_tokenizer()
-    eng = Engine(tiny_model(0), tok)
-    eng.costs, eng.progress = CHEAP, False
+    eng = _target_only_engine(tok)
     prompt = "the quick brown"
     plain = eng.generate(prompt, method="autoregressive", max_new_tokens=60)
     ids = eng.encode(prompt) + plain.token_ids
@@ -250,6 +249,13 @@ def test_datastore_guesses_are_accepted_when_the_target_writes_them(tmp_path):
         Engine(tiny_model(0), _other_tokenizer(), datastore=str(tmp_path / "ds"))
 
 
+def _target_only_engine(tok):
+    """The tiny target alone (no draft model), with hand-made pass costs."""
+    eng = Engine(tiny_model(0), tok)
+    eng.costs, eng.progress = CHEAP, False
+    return eng
+
+
 def _other_tokenizer():
     tok = byte_tokenizer()
     tok.add_tokens(["<extra>"])
@@ -258,8 +264,7 @@ def _other_tokenizer():
 
 def test_lookup_method_needs_no_draft_model_and_stays_a_chain_without_trees(monkeypatch):
     tok = byte_tokenizer()
-    eng = Engine(tiny_model(0), tok)
-    eng.costs, eng.progress = CHEAP, False
+    eng = _target_only_engine(tok)
     prompt = "abc abc abc abd abc abe abc"
     plain = eng.generate(prompt, method="autoregressive", max_new_tokens=30)
     out = eng.generate(prompt, method="lookup", max_new_tokens=30)

@@ -99,6 +99,11 @@ class NgramIndex:
         out = self.tokens[end:end + depth]
         return out[:out.index(SEP)] if SEP in out else out
 
+    def lookup(self, text: list[int], depth: int, limit: int) -> tuple[int, list[list[int]], list]:
+        """(n, continuations up to depth tokens, their refs): what a source gives the drafter."""
+        n, ends = self.match(text, limit)
+        return n, [self.continuation(e, depth) for e in ends], [None] * len(ends)
+
 
 class History:
     """The engine's earlier outputs (each after the last PROMPT_TAIL tokens of its prompt), at most
@@ -148,6 +153,11 @@ class History:
 
     def match(self, text: list[int], limit: int) -> tuple[int, list[int]]:
         return self.index.match(text, limit, live=lambda end: self.sequence_at(end) in self.live)
+
+    def lookup(self, text: list[int], depth: int, limit: int) -> tuple[int, list[list[int]], list]:
+        """As NgramIndex.lookup; each continuation's ref is the stored output it came from."""
+        n, ends = self.match(text, limit)
+        return n, [self.index.continuation(e, depth) for e in ends], [self.sequence_at(e) for e in ends]
 
     def touch(self, seqs) -> None:
         for s in seqs:
@@ -303,6 +313,11 @@ class Datastore:
         pick = np.arange(c) if c <= limit else np.linspace(0, c - 1, limit).round().astype(np.int64)
         return n, np.asarray(self.sa[left + pick], dtype=np.int64) // 4 + n
 
+    def lookup(self, text: list[int], depth: int, limit: int) -> tuple[int, list[list[int]], list]:
+        """As NgramIndex.lookup."""
+        n, ends = self.match(text, limit)
+        return n, self.continuations(ends, depth), [None] * len(ends)
+
     def continuations(self, ends: np.ndarray, depth: int) -> list[list[int]]:
         idx = np.minimum(ends[:, None] + np.arange(depth), len(self.tokens) - 1)
         rows = np.asarray(self.tokens[idx], dtype=np.int64)
@@ -354,16 +369,19 @@ class Lookup:
     context (always), the engine's History and a Datastore (when given)."""
 
     def __init__(self, history: History | None = None, datastore: Datastore | None = None,
-                 context: bool = True, max_matches: int = MAX_MATCHES):
-        self.history, self.datastore, self.use_context = history, datastore, context
+                 max_matches: int = MAX_MATCHES):
+        self.history, self.datastore = history, datastore
         self.max_matches = max_matches
         self.context = NgramIndex()
-        self.lookup_s = 0.0  # seconds spent looking up, summed
+
+    def _indexes(self) -> list:
+        """(name, index) of every source it has, in SOURCES order: each answers lookup(text, depth, limit)."""
+        return [(name, index) for name, index in zip(SOURCES, (self.context, self.history, self.datastore))
+                if index is not None]
 
     @property
     def sources(self) -> list[str]:
-        return [name for name, on in zip(SOURCES, (self.use_context, self.history is not None,
-                                                  self.datastore is not None)) if on]
+        return [name for name, _ in self._indexes()]
 
     def prefill(self, ids: list[int]) -> None:
         self.context = NgramIndex()
@@ -374,30 +392,15 @@ class Lookup:
 
     def tree(self, ids: list[int], max_depth: int, max_nodes: int) -> list[Guess]:
         """Guesses from every source (each its own tree; context first), parents before children."""
-        t = time.perf_counter()
         if len(self.context) < len(ids):
             self.context.extend(ids[len(self.context):])
         out: list[Guess] = []
-        if max_depth > 0:
-            for source in self.sources:
-                if source == "datastore":
-                    n, ends = self.datastore.match(ids, self.max_matches)
-                    conts = self.datastore.continuations(ends, max_depth) if n else []
-                    refs = [None] * len(conts)
-                else:
-                    index = self.context if source == "context" else self.history
-                    n, ends = index.match(ids, self.max_matches)
-                    table = self.context if source == "context" else self.history.index
-                    conts = [table.continuation(e, max_depth) for e in ends]
-                    refs = [None] * len(conts) if source == "context" else \
-                        [self.history.sequence_at(e) for e in ends]
-                if not n:
-                    continue
-                base = len(out)
-                for g in continuation_tree(conts, refs, n, source, max_nodes):
-                    g.parent = g.parent + base if g.parent >= 0 else -1
-                    out.append(g)
-        self.lookup_s += time.perf_counter() - t
+        for source, index in self._indexes() if max_depth > 0 else ():
+            n, conts, refs = index.lookup(ids, max_depth, self.max_matches)
+            base = len(out)
+            for g in continuation_tree(conts, refs, n, source, max_nodes) if n else ():
+                g.parent = g.parent + base if g.parent >= 0 else -1
+                out.append(g)
         return out
 
     def accepted(self, guesses: list[Guess]) -> None:

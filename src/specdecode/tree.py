@@ -198,7 +198,7 @@ class TreeDrafter:
         for g in self.lookup.tree(ids, max_depth, MAX_LOOKUP_NODES):
             parent = -1 if g.parent < 0 else where[g.parent]
             where.append(None)
-            if parent is None or g.depth > max_depth:
+            if parent is None:  # (continuations stop at max_depth)
                 continue
             if not greedy and len(self.nodes) >= self.max_nodes:  # (a greedy tree is cut to size later)
                 continue
