@@ -49,7 +49,9 @@ class Stats:
     lookup_sources: list = field(default_factory=list)  # the lookup sources this generation drew from
     wall_s: float = 0.0
     prefill_s: float = 0.0
+    ttft_s: float | None = None  # seconds from the start of the stream to the first emitted token (prefill included)
     draft_s: float = 0.0
+    catchup_s: float = 0.0  # of draft_s: the draft model reading text it had not seen (prompt, skipped steps)
     verify_s: float = 0.0
     finish_reason: str | None = None  # "eos" | "stop" | "length"
 
@@ -71,6 +73,13 @@ class Stats:
     @property
     def tokens_per_second(self) -> float | None:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first, per second after the first: decoding speed without the prefill."""
+        if self.ttft_s is None or self.new_tokens < 2 or self.wall_s <= self.ttft_s:
+            return None
+        return (self.new_tokens - 1) / (self.wall_s - self.ttft_s)
 
     @property
     def mean_tree_nodes(self) -> float | None:
@@ -140,7 +149,8 @@ class Stats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
-                 tokens_per_second=self.tokens_per_second, mean_tree_nodes=self.mean_tree_nodes,
+                 tokens_per_second=self.tokens_per_second, decode_tokens_per_second=self.decode_tokens_per_second,
+                 mean_tree_nodes=self.mean_tree_nodes,
                  expected_tokens_per_pass=self.expected_tokens_per_pass, predicted_speedup=self.predicted_speedup)
         return d
 
@@ -520,6 +530,8 @@ class TextStream:
         t0 = time.perf_counter()
         try:
             for new in self.steps:
+                if stats.ttft_s is None:
+                    stats.ttft_s = time.perf_counter() - t0
                 ids += new
                 before, after = decode(ids[context:read]), decode(ids[context:])
                 whole = len(after)
