@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from specdecode.bench import (alpha_from_counts, analytic_bound, cost_model_bound, load_prompts, parse_methods, run_bench, summarize,
-                              write_outputs)
+from specdecode.bench import (alpha_from_counts, analytic_bound, cost_model_bound, load_prompts, parse_methods, report,
+                              run_bench, summarize, write_outputs)
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 
@@ -67,6 +67,62 @@ def test_speedup_arithmetic_on_known_timings():
     assert d["greedy_agreement"] == 1.0
 
 
+def test_prefill_and_decode_arithmetic_on_known_timings():
+    """TTFT, decode tok/s (tokens after the first / seconds after the first), their speedups, the ratios
+    against the llama.cpp peer, overall and per category, and auto's predicted speedup per category."""
+    rows = [
+        _row("a", "autoregressive", 11, 2.0, category="x", ttft_s=1.0),
+        _row("b", "autoregressive", 21, 4.0, category="y", ttft_s=2.0),
+        # auto: a's runs in its own plain step (0.1 s), b's fall back on the measured 1-token pass (0.25 s)
+        _row("a", "auto", 11, 1.5, category="x", ttft_s=1.0, target_forwards=5, tree_depth=0, expected_tokens=6.0,
+             planned_passes=3, modelled_s=0.3, plain_step_s=0.1, strategies={"plain": 2, "lookup": 3}),
+        _row("b", "auto", 21, 3.0, category="y", ttft_s=2.0, target_forwards=10, tree_depth=0, expected_tokens=12.0,
+             planned_passes=6, modelled_s=0.5, plain_step_s=None, strategies={"draft": 10}),
+        _row("a", "llama.cpp", 11, 1.0, category="x", ttft_s=0.5),
+        _row("b", "llama.cpp", 21, 2.0, category="y", ttft_s=1.0),
+        _row("a", "hf-assisted", 11, 1.0, category="x", ttft_s=None),
+        _row("b", "hf-assisted", 21, 2.0, category="y", ttft_s=None),
+    ]
+    methods = ["autoregressive", "auto", "llama.cpp", "hf-assisted"]
+    res = summarize(rows, methods, gamma=4, greedy=True, config={"pass_costs": {"target_s_1": 0.25}})["methods"]
+    ar, auto, peer, hf = (res[m] for m in methods)
+    assert ar["ttft_s"] == pytest.approx(1.5) and auto["ttft_s"] == pytest.approx(1.5)
+    assert ar["decode_tokens_per_second"] == pytest.approx(30 / 3.0) and ar["decode_speedup"] == pytest.approx(1.0)
+    assert auto["decode_tokens_per_second"] == pytest.approx(30 / 1.5) and auto["decode_speedup"] == pytest.approx(2.0)
+    assert auto["speedup"] == pytest.approx(6.0 / 4.5)
+    assert auto["vs_llama_cpp"] == pytest.approx({"overall": 3.0 / 4.5, "decode": 1.0})
+    assert peer["vs_llama_cpp"] == pytest.approx({"overall": 1.0, "decode": 1.0})
+    assert ar["vs_llama_cpp"] == pytest.approx({"overall": 0.5, "decode": 0.5})
+    # no first-token time: no TTFT, no decode speed, but the overall speed and its ratios
+    assert hf["ttft_s"] is None and hf["decode_tokens_per_second"] is None and hf["decode_speedup"] is None
+    assert hf["vs_llama_cpp"]["decode"] is None and hf["vs_llama_cpp"]["overall"] == pytest.approx(1.0)
+    # predicted: expected tokens / modelled seconds counted in plain steps (0.3/0.1 + 0.5/0.25 = 5 steps)
+    assert auto["predicted_speedup"] == pytest.approx(18 / 5)
+    x, y = auto["by_category"]["x"], auto["by_category"]["y"]
+    assert x["tokens_per_second"] == pytest.approx(11 / 1.5) and x["speedup"] == pytest.approx(2.0 / 1.5)
+    assert x["decode_tokens_per_second"] == pytest.approx(20.0) and x["decode_speedup"] == pytest.approx(2.0)
+    assert x["ttft_s"] == pytest.approx(1.0) and y["ttft_s"] == pytest.approx(2.0)
+    assert x["vs_llama_cpp"] == pytest.approx({"overall": 1.0 / 1.5, "decode": 1.0})
+    assert x["predicted_speedup"] == pytest.approx(2.0) and y["predicted_speedup"] == pytest.approx(6.0)
+    assert x["mean_accepted_tokens"] == pytest.approx(11 / 5) and x["expected_tokens_per_pass"] == pytest.approx(2.0)
+    assert x["strategies"] == {"plain": 2, "lookup": 3} and y["strategies"] == {"draft": 10}
+    assert res["hf-assisted"]["by_category"]["x"]["decode_tokens_per_second"] is None
+    assert "mean_accepted_tokens" not in res["llama.cpp"]["by_category"]["x"]  # a peer has no target passes of ours
+    text = report({"config": {"prompts": 2, "max_new_tokens": 20, "gamma": 4, "temperature": 0.0, "device": "cpu",
+                              "dtype": "F32", "torch_threads": 1},
+                   "methods": res, "prompts": [{**r, "mean_accepted_tokens": None} for r in rows]})
+    assert "## Prefill and decoding" in text and "### Prefill and decoding by category" in text
+    assert "| auto | 1.500 | 20.00 | 7.11 | 2.00x | 1.33x | 0.67x | 1.00x |" in text
+    assert "| x | auto | 1.000 | 20.00 | 7.33 | 2.00x | 1.33x | 0.67x | 1.00x |" in text
+    assert "### auto by category: predicted against realised" in text
+    assert "| x | plain 2, lookup 3 | 2.00 | 2.20 | 2.00x | 2.00x | 1.33x | 100% |" in text
+    assert "| hf-assisted | – | – | 10.67 |" in text
+    # without the llama.cpp peer there is nothing to compare with
+    res = summarize(rows[:4], methods[:2], gamma=4, greedy=True, config={})["methods"]
+    assert res["auto"]["vs_llama_cpp"] is None and res["auto"]["by_category"]["x"]["vs_llama_cpp"] is None
+    assert res["auto"]["predicted_speedup"] == pytest.approx(6 / 3)  # only the run with its own plain step
+
+
 def test_bench_end_to_end_on_tiny_models(tiny_dirs, prompt_file, tmp_path, capsys):
     target, draft = tiny_dirs
     out = tmp_path / "out"
@@ -83,15 +139,26 @@ def test_bench_end_to_end_on_tiny_models(tiny_dirs, prompt_file, tmp_path, capsy
             assert key in m
         assert m["tokens_per_second"] > 0
         assert set(m["by_category"]) == {"chat", "code"}
+        assert m["vs_llama_cpp"] is None  # the llama.cpp peer did not run
+        for c in m["by_category"].values():
+            for key in ("tokens_per_second", "speedup", "decode_tokens_per_second", "decode_speedup", "ttft_s"):
+                assert key in c
+        if name != "hf-assisted":  # ours stream: a first token and the decoding after it
+            assert 0 < m["ttft_s"] and m["decode_tokens_per_second"] > 0 and m["decode_speedup"] > 0
+            assert all(r["ttft_s"] is not None and r["ttft_s"] <= r["wall_s"]
+                       for r in results["prompts"] if r["method"] == name)
     assert results["methods"]["autoregressive"]["speedup"] == 1.0
     assert results["methods"]["draft"]["greedy_agreement"] == 1.0  # lossless greedy
     assert results["methods"]["pld"]["greedy_agreement"] == 1.0
     assert results["methods"]["hf-assisted"]["mean_accepted_tokens"] is None
+    assert results["methods"]["hf-assisted"]["ttft_s"] is None  # generate() gives no first-token time
+    assert results["methods"]["autoregressive"]["decode_speedup"] == 1.0
     assert results["methods"]["draft"]["analytic_bound"] > 0
     assert len(results["prompts"]) == 3 * 4
     assert [r["method"] for r in results["prompts"][:4]] == ["autoregressive", "draft", "pld", "hf-assisted"]
     report = (out / "report.md").read_text()
     assert "| draft |" in report and "Speedup by category" in report
+    assert "## Prefill and decoding" in report and "| chat | draft |" in report
     for png in ("speedup.png", "acceptance.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -161,3 +228,117 @@ def test_shared_datasets_parse():
     mt = load_prompts(data / "mt_bench.jsonl")
     assert len(he) == 164 and not he[0]["chat"]
     assert len(mt) == 80 and mt[0]["chat"] and mt[0]["category"] == "writing"
+
+
+def test_bench_llama_cpp_peer_prefill_and_decode(tmp_path, capsys):
+    """The llama.cpp peer's first-token time, and every method's ratios against it, on tiny GGUF models."""
+    pytest.importorskip("llama_cpp", reason="the llama.cpp peer needs llama-cpp-python (not installed)")
+    from tinygguf import write_tiny_gguf
+    target, draft = write_tiny_gguf(tmp_path / "target.gguf", 0), write_tiny_gguf(tmp_path / "draft.gguf", 1)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):", "category": "code"}\n'
+                       '{"prompt": "abcabcabc abcabcabc", "category": "text"}\n')
+    out = tmp_path / "out"
+    assert main(["bench", "--prompts", str(prompts), "--methods", "autoregressive,auto,llama.cpp", "--threads", "1",
+                 "--max-new-tokens", "12", "--target", str(target), "--draft", str(draft), "--backend", "llama.cpp",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    peer_rows = [r for r in results["prompts"] if r["method"] == "llama.cpp"]
+    assert len(peer_rows) == 2 and all(0 < r["ttft_s"] <= r["wall_s"] for r in peer_rows)
+    for name, m in results["methods"].items():
+        assert m["ttft_s"] > 0 and m["decode_tokens_per_second"] > 0
+        assert m["vs_llama_cpp"]["overall"] > 0 and m["vs_llama_cpp"]["decode"] > 0
+        for c in ("code", "text"):
+            assert m["by_category"][c]["vs_llama_cpp"]["overall"] > 0
+    assert results["methods"]["llama.cpp"]["vs_llama_cpp"] == {"overall": 1.0, "decode": 1.0}
+    assert results["methods"]["auto"]["greedy_agreement"] == 1.0
+    text = (out / "report.md").read_text()
+    assert "vs llama.cpp decode" in text and "| code | llama.cpp |" in text
+
+
+def _devset_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "longprompt_devset.py"
+    spec = importlib.util.spec_from_file_location("longprompt_devset", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fake_site_packages(root):
+    """Two licensed distributions (long READMEs, docs, a source file of 60-200 lines) and one without a
+    licence, whose texts must never be used."""
+    import textwrap
+    words = ("the parser reads each record from the stream and checks its fields before it hands them to the "
+             "writer, which keeps a buffer of rows and flushes it when the buffer is full or the stream ends")
+
+    def prose(name, n):
+        paras = [f"# {name}\n\n{name} is a small library for reading and writing tabular records."]
+        for i in range(n):
+            paras.append((f"## Section {i}\n\n" if i % 3 == 0 else "")
+                         + f"Paragraph {i} of {name}: " + " ".join([words] * 3) + f". Call `{name}_open()` to start.")
+        return "\n\n".join(paras) + "\n\nInstall it with `pip install " + name + "`.\n"
+
+    def source(name):
+        funcs = "\n\n".join(textwrap.dedent(f"""\
+            def step_{i}(rows, limit):
+                total = 0
+                for row in rows:
+                    if len(row) > limit:
+                        total += len(row)
+                    else:
+                        total -= 1
+                return "%s: %d" % ("{name}", total)
+            """) for i in range(16))
+        return f'"""The {name} helpers."""\nimport os\n\n\n{funcs}'
+
+    dists = [("tabkit", "1.0", "License-Expression: MIT\n"),
+             ("rowlib", "2.1", "Classifier: License :: OSI Approved :: BSD License\n"),
+             ("mystery", "0.1", "License: UNKNOWN\n")]
+    for name, version, lic in dists:
+        info = root / f"{name}-{version}.dist-info"
+        (root / name / "docs").mkdir(parents=True)
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{lic}"
+                                       f"Description-Content-Type: text/markdown\n\n{prose(name, 24)}")
+        (root / name / "README.md").write_text(prose(name + " guide", 30))
+        (root / name / "docs" / "usage.rst").write_text(prose(name + " usage", 30))
+        (root / name / "core.py").write_text(source(name))
+        (root / name / "LICENSE.md").write_text("Permission is hereby granted " * 400)
+        files = [f"{name}/README.md", f"{name}/docs/usage.rst", f"{name}/core.py", f"{name}/LICENSE.md",
+                 f"{info.name}/METADATA"]
+        (info / "RECORD").write_text("".join(f"{f},sha256=x,1\n" for f in files))
+    return root
+
+
+def test_longprompt_devset_generator(tmp_path, capsys):
+    gen = _devset_module()
+    site = _fake_site_packages(tmp_path / "site-packages")
+    out = tmp_path / "devset.jsonl"
+    assert gen.main(["--site-packages", str(site), "--per-category", "2", "--seed", "3", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    raw = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = load_prompts(out)
+    assert len(rows) == len(raw) and all(r["chat"] for r in rows)
+    assert {r["category"] for r in rows} == {"summary", "doc_qa", "code_edit", "translation"}
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in raw:
+        assert r["source"]["package"] in ("tabkit", "rowlib")  # never the one without a licence
+        assert r["licence"] in ("MIT", "BSD License")
+        assert "LICENSE" not in r["source"]["file"]
+        assert 600 <= len(r["turns"][0]) / 4 <= 2000
+    by = {c: [r for r in raw if r["category"] == c] for c in ("summary", "doc_qa", "code_edit", "translation")}
+    assert all(len(v) == 2 for v in by.values())
+    assert all(r["turns"][0].startswith("Summarize the following text") for r in by["summary"])
+    assert all(r["turns"][0].startswith("Translate the following text into French") for r in by["translation"])
+    assert all(r["turns"][0].startswith("Using only the text below") for r in by["doc_qa"])
+    assert all(r["source"]["file"].endswith("core.py") and "def step_0" in r["turns"][0] for r in by["code_edit"])
+    # deterministic given the seed
+    again = tmp_path / "again.jsonl"
+    gen.main(["--site-packages", str(site), "--per-category", "2", "--seed", "3", "--out", str(again)])
+    assert again.read_text() == out.read_text()
+    # the default output goes to the specdecode cache (SPECDECODE_CACHE in the tests)
+    from specdecode.models import cache_dir
+    assert gen.default_out() == cache_dir() / "devset" / "longprompt.jsonl"

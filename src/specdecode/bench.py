@@ -101,14 +101,17 @@ class LlamaPeer:
             raise SpecDecodeError("the llama.cpp peers are benchmarked greedy only (--temperature 0)")
         self.llm.reset()  # no prefix reuse from the previous prompt: each run prefills, as ours do
         ids = []
+        ttft = None
         t = time.perf_counter()
         for tok in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
                                      reset=True):
+            if ttft is None:  # the first token out: the prefill and one sampling step
+                ttft = time.perf_counter() - t
             ids.append(int(tok))
             if tok in self.eos or len(ids) >= max_new_tokens:
                 break
         wall = time.perf_counter() - t
-        return {"token_ids": ids, "new_tokens": len(ids), "wall_s": wall}
+        return {"token_ids": ids, "new_tokens": len(ids), "wall_s": wall, "ttft_s": ttft}
 
 
 def analytic_bound(alpha: float, gamma: int, c: float) -> float:
@@ -151,7 +154,8 @@ def hf_assisted(engine: Engine, prompt_ids: list[int], gamma: int, max_new_token
                           pad_token_id=min(engine.eos_ids, default=None), **kwargs)
     wall = time.perf_counter() - t
     ids = out[0, len(prompt_ids):].tolist()
-    return {"token_ids": ids, "new_tokens": len(ids), "wall_s": wall}
+    # generate() returns everything at once: no time to first token (so no decode speed either)
+    return {"token_ids": ids, "new_tokens": len(ids), "wall_s": wall, "ttft_s": None}
 
 
 def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = 4, max_new_tokens: int = 128,
@@ -228,6 +232,13 @@ def cpu_description() -> str:
     return f"{_cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags: {' '.join(flags) or 'n/a'}"
 
 
+def decode_rate(new_tokens: int, wall_s: float, ttft_s: float | None) -> float | None:
+    """Tokens after the first, per second after the first (Stats.decode_tokens_per_second's rule)."""
+    if ttft_s is None or new_tokens < 2 or wall_s <= ttft_s:
+        return None
+    return (new_tokens - 1) / (wall_s - ttft_s)
+
+
 def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=None, peers=None) -> dict:
     if method in PEERS:
         ids = engine.encode(p["prompt"], p["chat"])
@@ -236,7 +247,10 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
         else:
             r = peers[method].generate(ids, max_new_tokens, temperature, seed)
         text = engine.decode(r["token_ids"]) if "token_ids" in r else ""
-        return {**r, "text": text, "tokens_per_second": r["new_tokens"] / r["wall_s"], "target_forwards": None, "drafted": None,
+        r.setdefault("ttft_s", None)
+        return {**r, "text": text, "tokens_per_second": r["new_tokens"] / r["wall_s"],
+                "decode_tokens_per_second": decode_rate(r["new_tokens"], r["wall_s"], r["ttft_s"]),
+                "plain_step_s": None, "target_forwards": None, "drafted": None,
                 "accepted": None, "rejections": None, "mean_accepted_tokens": None, "acceptance_rate": None,
                 "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None,
                 "tree_depth": None, "expected_tokens": None, "planned_passes": None, "modelled_s": None,
@@ -249,8 +263,9 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
             "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
             "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,
             "drafted_per_position": s.drafted_per_position, "draft_s": s.draft_s, "verify_s": s.verify_s,
-            "prefill_s": s.prefill_s, "tree_depth": s.tree_depth, "expected_tokens": s.expected_tokens,
-            "planned_passes": s.planned_passes, "modelled_s": s.modelled_s, "strategies": s.strategies}
+            "prefill_s": s.prefill_s, "ttft_s": s.ttft_s, "decode_tokens_per_second": s.decode_tokens_per_second,
+            "tree_depth": s.tree_depth, "expected_tokens": s.expected_tokens, "planned_passes": s.planned_passes,
+            "modelled_s": s.modelled_s, "plain_step_s": s.plain_step_s, "strategies": s.strategies}
 
 
 def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool, config: dict) -> dict:
@@ -263,18 +278,54 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
         wall = total(m, "wall_s", cat)
         return total(m, "new_tokens", cat) / wall if wall else None
 
-    base = tps("autoregressive")
+    def picked(m, cat=None):
+        return [r for r in rows if r["method"] == m and (cat is None or r["category"] == cat)]
+
+    def dtps(m, cat=None):
+        """Decode tok/s: tokens after each run's first / seconds after its first (runs with a TTFT)."""
+        timed = [r for r in picked(m, cat) if r.get("ttft_s") is not None and r["new_tokens"] >= 1]
+        seconds = sum(r["wall_s"] - r["ttft_s"] for r in timed)
+        return sum(r["new_tokens"] - 1 for r in timed) / seconds if seconds > 0 else None
+
+    def mean_ttft(m, cat=None):
+        ttfts = [r["ttft_s"] for r in picked(m, cat) if r.get("ttft_s") is not None]
+        return sum(ttfts) / len(ttfts) if ttfts else None
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    peer = "llama.cpp" if "llama.cpp" in methods and picked("llama.cpp") else None  # issue 16's yardstick
+
+    def speeds(m, cat=None) -> dict:
+        """Overall and decode speed, TTFT and the ratios against autoregressive and the llama.cpp peer."""
+        t, d = tps(m, cat), dtps(m, cat)
+        return {"tokens_per_second": t, "speedup": ratio(t, tps("autoregressive", cat)),
+                "decode_tokens_per_second": d, "decode_speedup": ratio(d, dtps("autoregressive", cat)),
+                "ttft_s": mean_ttft(m, cat),
+                "vs_llama_cpp": {"overall": ratio(t, tps(peer, cat)), "decode": ratio(d, dtps(peer, cat))}
+                if peer else None}
+
+    def predicted(m, cat=None):
+        """The cost model's speedup over the planned passes: expected tokens / modelled seconds counted in
+        plain steps (each run's own plain step where it has one, else the measured 1-token pass)."""
+        fallback = (config.get("pass_costs") or {}).get("target_s_1")
+        expected = steps = 0.0
+        for r in picked(m, cat):
+            plain = r.get("plain_step_s") or fallback
+            if r.get("modelled_s") and plain:
+                expected += r.get("expected_tokens") or 0.0
+                steps += r["modelled_s"] / plain
+        return expected / steps if steps else None
+
     ar_step = (total("autoregressive", "verify_s") / total("autoregressive", "target_forwards")
                if total("autoregressive", "target_forwards") else None)
     ar_ids = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == "autoregressive"}
     out = {}
     for m in methods:
         mine = [r for r in rows if r["method"] == m]
-        t = tps(m)
-        res = {"tokens_per_second": t, "speedup": t / base if t and base else None, "new_tokens": total(m, "new_tokens"),
-               "wall_s": total(m, "wall_s"), "mean_accepted_tokens": None, "acceptance_rate": None, "alpha": None,
-               "draft_cost_ratio": None, "verify_cost_ratio": None, "analytic_bound": None, "efficiency": None,
-               "cost_model_bound": None,
+        res = {**speeds(m), "new_tokens": total(m, "new_tokens"), "wall_s": total(m, "wall_s"),
+               "mean_accepted_tokens": None, "acceptance_rate": None, "alpha": None, "draft_cost_ratio": None,
+               "verify_cost_ratio": None, "analytic_bound": None, "efficiency": None, "cost_model_bound": None,
                "acceptance_by_position": None, "greedy_agreement": None}
         if m not in PEERS and total(m, "target_forwards"):
             fwd = total(m, "target_forwards")
@@ -286,9 +337,7 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
             res["depth_per_pass"] = total(m, "tree_depth") / fwd
             planned = total(m, "planned_passes")
             res["expected_tokens_per_pass"] = total(m, "expected_tokens") / planned if planned else None
-            plain = (config.get("pass_costs") or {}).get("target_s_1")
-            modelled = total(m, "modelled_s")
-            res["predicted_speedup"] = total(m, "expected_tokens") / modelled * plain if modelled and plain else None
+            res["predicted_speedup"] = predicted(m)
             res["strategies"] = {}
             for r in mine:
                 for k, v in (r["strategies"] or {}).items():
@@ -340,8 +389,18 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
         if cats:
             res["by_category"] = {}
             for cat in cats:
-                ct, cb = tps(m, cat), tps("autoregressive", cat)
-                res["by_category"][cat] = {"tokens_per_second": ct, "speedup": ct / cb if ct and cb else None}
+                bc = res["by_category"][cat] = speeds(m, cat)
+                if m not in PEERS:
+                    fwd = total(m, "target_forwards", cat)
+                    bc["mean_accepted_tokens"] = total(m, "new_tokens", cat) / fwd if fwd else None
+                if m in ("tree", "auto", "lookup") and total(m, "target_forwards", cat):
+                    planned = total(m, "planned_passes", cat)
+                    bc["expected_tokens_per_pass"] = total(m, "expected_tokens", cat) / planned if planned else None
+                    bc["predicted_speedup"] = predicted(m, cat)
+                    bc["strategies"] = {}
+                    for r in picked(m, cat):
+                        for k, v in (r.get("strategies") or {}).items():
+                            bc["strategies"][k] = bc["strategies"].get(k, 0) + v
         out[m] = res
     return {"config": config, "methods": out, "prompts": rows}
 
@@ -358,6 +417,18 @@ def write_outputs(results: dict, out_dir: str | Path) -> Path:
 
 def _f(x, fmt="{:.2f}"):
     return "–" if x is None else fmt.format(x)
+
+
+_SPEED_HEAD = ("TTFT s | decode tok/s | overall tok/s | decode speedup | overall speedup | vs llama.cpp overall | "
+               "vs llama.cpp decode")
+
+
+def _speed_cells(r: dict) -> str:
+    """The cells of _SPEED_HEAD for a method's (or a category's) speeds."""
+    vs = r.get("vs_llama_cpp") or {}
+    return (f"{_f(r.get('ttft_s'), '{:.3f}')} | {_f(r.get('decode_tokens_per_second'))} | "
+            f"{_f(r.get('tokens_per_second'))} | {_f(r.get('decode_speedup'), '{:.2f}x')} | "
+            f"{_f(r.get('speedup'), '{:.2f}x')} | {_f(vs.get('overall'), '{:.2f}x')} | {_f(vs.get('decode'), '{:.2f}x')}")
 
 
 def report(results: dict) -> str:
@@ -383,6 +454,20 @@ def report(results: dict) -> str:
                      f"{_f(r['analytic_bound'], '{:.2f}x')} | {_f(r['efficiency'], '{:.0%}')} | "
                      f"{_f(r.get('cost_model_bound'), '{:.2f}x')} | {_f(r['greedy_agreement'], '{:.0%}')} |")
     cats = sorted({c for r in results["methods"].values() for c in r.get("by_category", {})})
+    lines += ["\n## Prefill and decoding\n",
+              "TTFT: mean seconds to the first token (the prefill included). Decode tok/s: tokens after each run's "
+              "first / seconds after it. Overall tok/s: all tokens / all seconds. vs llama.cpp: against "
+              "llama-cpp-python's own plain generation in the same run.\n",
+              "| method | " + _SPEED_HEAD + " |", "|---" * 8 + "|"]
+    for m, r in results["methods"].items():
+        lines.append(f"| {m} | {_speed_cells(r)} |")
+    if cats:
+        lines += ["\n### Prefill and decoding by category\n", "| category | method | " + _SPEED_HEAD + " |",
+                  "|---" * 9 + "|"]
+        for c in cats:
+            for m, r in results["methods"].items():
+                if c in r.get("by_category", {}):
+                    lines.append(f"| {c} | {m} | {_speed_cells(r['by_category'][c])} |")
     if cats:
         lines += ["\n## Speedup by category\n", "| method | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
         for m, r in results["methods"].items():
@@ -435,6 +520,21 @@ def report(results: dict) -> str:
                   f"{_f(auto.get('expected_tokens_per_pass'))} | {_f(auto['mean_accepted_tokens'])} | "
                   f"{_f(auto.get('predicted_speedup'), '{:.2f}x')} | {_f(auto['speedup'], '{:.2f}x')} | "
                   f"{_f(auto['speedup'] / auto['predicted_speedup'] if auto['speedup'] and auto.get('predicted_speedup') else None, '{:.0%}')} |"]
+        bc = {c: v for c, v in auto.get("by_category", {}).items() if "predicted_speedup" in v}
+        if bc:
+            lines += ["\n### auto by category: predicted against realised\n",
+                      "Predicted: the cost model's expected tokens per modelled second of the passes it planned, "
+                      "in plain steps (decoding only: no prefill). Realised: against our autoregressive in the "
+                      "same run, in decode tok/s (after the first token) and overall.\n",
+                      "| category | steps by strategy | expected tokens per pass | realised (τ) | predicted speedup | "
+                      "realised decode speedup | realised overall speedup | realised decode / predicted |",
+                      "|---" * 8 + "|"]
+            for c, v in bc.items():
+                pred, dec = v.get("predicted_speedup"), v.get("decode_speedup")
+                lines.append(f"| {c} | {', '.join(f'{k} {n}' for k, n in (v.get('strategies') or {}).items()) or '–'} | "
+                             f"{_f(v.get('expected_tokens_per_pass'))} | {_f(v.get('mean_accepted_tokens'))} | "
+                             f"{_f(pred, '{:.2f}x')} | {_f(dec, '{:.2f}x')} | {_f(v.get('speedup'), '{:.2f}x')} | "
+                             f"{_f(dec / pred if dec and pred else None, '{:.0%}')} |")
     tree = results["methods"].get("tree")
     if tree and tree.get("nodes_per_pass") is not None:
         costs = cfg.get("pass_costs") or {}
@@ -449,9 +549,11 @@ def report(results: dict) -> str:
                          f"{costs['target_s_1'] * 1000:.0f} ms): target " +
                          ", ".join(f"{n} tok {r:.2f}" for n, r in costs["target"].items()) + "; draft " +
                          ", ".join(f"{n} tok {r:.2f}" for n, r in costs["draft"].items()))
-    lines += ["\n## Per prompt\n", "| prompt | method | tok/s | new tokens | τ | acceptance |", "|---|---|---|---|---|---|"]
+    lines += ["\n## Per prompt\n", "| prompt | method | tok/s | TTFT s | decode tok/s | new tokens | τ | acceptance |",
+              "|---" * 8 + "|"]
     for r in results["prompts"]:
-        lines.append(f"| {r['prompt_id']} | {r['method']} | {_f(r['tokens_per_second'])} | {r['new_tokens']} | "
+        lines.append(f"| {r['prompt_id']} | {r['method']} | {_f(r['tokens_per_second'])} | "
+                     f"{_f(r.get('ttft_s'), '{:.3f}')} | {_f(r.get('decode_tokens_per_second'))} | {r['new_tokens']} | "
                      f"{_f(r['mean_accepted_tokens'])} | {_f(r['acceptance_rate'], '{:.1%}')} |")
     lines.append("\nα: per-token acceptance, accepted / (accepted + rejections). c: mean time of one draft "
                  "forward / one plain target forward. Bound: Leviathan et al. 2023, Thm 3.8, "
