@@ -32,9 +32,9 @@ from tiny import byte_tokenizer, tiny_model, tiny_sliding_model
 V = 257
 
 
-def engine_with(target, draft=None, costs=CHEAP) -> Engine:
+def engine_with(target, draft=None, costs=CHEAP, **kw) -> Engine:
     tok = byte_tokenizer()
-    engine = Engine(target, tok, draft, tok if draft is not None else None)
+    engine = Engine(target, tok, draft, tok if draft is not None else None, **kw)
     engine.costs = costs  # hand-made: no measurement
     return engine
 
@@ -331,7 +331,7 @@ def test_short_draft_context_drafts_then_goes_on_plainly(step_clock, draft_kind,
     # the qwen2 draft is the target's own weights (it agrees, so even auto keeps running it to the end of
     # its context); the random gpt2 draft hardly agrees, and auto may stop running it on its own
     draft = tiny_model(0, max_pos=limit) if draft_kind == "qwen2" else _gpt2_draft(limit)
-    engine = engine_with(tiny_model(0), draft)
+    engine = engine_with(tiny_model(0), draft, draft_window=None)  # no window: the draft's context fills up
     seen = _positions_watch(engine.draft_model.lm)
     prompt = "def add(a, b):\n"  # 15 tokens: the draft fits at first, not after ~33 more
     plain = engine.generate(prompt, method="autoregressive", max_new_tokens=80)
@@ -347,7 +347,7 @@ def test_short_draft_context_drafts_then_goes_on_plainly(step_clock, draft_kind,
 
 
 def test_prompt_longer_than_the_draft_context():
-    engine = engine_with(tiny_model(0), _gpt2_draft(16))
+    engine = engine_with(tiny_model(0), _gpt2_draft(16), draft_window=None)
     prompt = "a prompt that is longer than the draft model's context"
     plain = engine.generate(prompt, method="autoregressive", max_new_tokens=20)
     for method in ("draft", "tree"):
@@ -361,7 +361,7 @@ def test_short_draft_context_on_the_token_loop():
     """The same through speculative_decode directly (the chain drafter's room caps gamma)."""
     target, draft = tiny_model(0), tiny_model(1, max_pos=40)
     want, _ = run(CachedLM(target), None, list(range(30, 60)), 0, 40)
-    drafter = DraftModel(draft, V)
+    drafter = DraftModel(draft, V, window=None)
     seen = _positions_watch(drafter.lm)
     out, stats = run(CachedLM(target), drafter, list(range(30, 60)), 6, 40)
     assert out == want and max(seen) < 40 and stats.drafted > 0

@@ -314,13 +314,13 @@ def wide_models():
     return tiny_model(0, vocab_size=1024), tiny_model(1, vocab_size=1024)
 
 
-def test_measure_returns_non_decreasing_times(wide_models):
+def test_measure_returns_positive_times_by_size(wide_models):
+    """Kept as measured, not made monotone (a bigger pass may be cheaper: test_long_context)."""
     lm = CachedLM(wide_models[0])
     sizes = [1, 2, 4, 8, 16]
     times = measure(lm, sizes, repeats=2)
     assert list(times) == sorted(times) and set(times) <= set(sizes) and 1 in times
-    values = list(times.values())
-    assert all(v > 0 for v in values) and values == sorted(values)
+    assert all(v > 0 for v in times.values())
     assert len(lm) == 0  # left reset
 
 

@@ -232,11 +232,11 @@ def cpu_description() -> str:
     return f"{_cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags: {' '.join(flags) or 'n/a'}"
 
 
-def decode_rate(new_tokens: int, wall_s: float, ttft_s: float | None) -> float | None:
-    """Tokens after the first, per second after the first (Stats.decode_tokens_per_second's rule)."""
-    if ttft_s is None or new_tokens < 2 or wall_s <= ttft_s:
+def decode_rate(new_tokens: int, wall_s: float, ttft_s: float | None, first_tokens: int = 1) -> float | None:
+    """Tokens after the first step's, per second after it (Stats.decode_tokens_per_second's rule)."""
+    if ttft_s is None or new_tokens <= first_tokens or wall_s <= ttft_s:
         return None
-    return (new_tokens - 1) / (wall_s - ttft_s)
+    return (new_tokens - first_tokens) / (wall_s - ttft_s)
 
 
 def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=None, peers=None) -> dict:
@@ -263,7 +263,8 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
             "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
             "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,
             "drafted_per_position": s.drafted_per_position, "draft_s": s.draft_s, "verify_s": s.verify_s,
-            "prefill_s": s.prefill_s, "ttft_s": s.ttft_s, "decode_tokens_per_second": s.decode_tokens_per_second,
+            "prefill_s": s.prefill_s, "ttft_s": s.ttft_s, "first_tokens": s.first_tokens,
+            "decode_tokens_per_second": s.decode_tokens_per_second, "catchup_s": s.catchup_s,
             "tree_depth": s.tree_depth, "expected_tokens": s.expected_tokens, "planned_passes": s.planned_passes,
             "modelled_s": s.modelled_s, "plain_step_s": s.plain_step_s, "strategies": s.strategies}
 
@@ -285,7 +286,7 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
         """Decode tok/s: tokens after each run's first / seconds after its first (runs with a TTFT)."""
         timed = [r for r in picked(m, cat) if r.get("ttft_s") is not None and r["new_tokens"] >= 1]
         seconds = sum(r["wall_s"] - r["ttft_s"] for r in timed)
-        return sum(r["new_tokens"] - 1 for r in timed) / seconds if seconds > 0 else None
+        return sum(r["new_tokens"] - (r.get("first_tokens") or 1) for r in timed) / seconds if seconds > 0 else None
 
     def mean_ttft(m, cat=None):
         ttfts = [r["ttft_s"] for r in picked(m, cat) if r.get("ttft_s") is not None]

@@ -74,6 +74,7 @@ class Acceptance:
         self.draft = (Calibration(), Calibration())  # the draft's first choice, and its others
         self.lookup = Calibration(bins=LOOKUP_BINS, prior=lookup_prior)
         self.rho = RHO_PRIOR  # the gain of expanding a node: P(some child accepted | it was)
+        self.first = [0.0, 0.0]  # the draft's first choices tried: decayed (accepted, tried), for a chain's alpha
 
     def value(self, node) -> float:
         """P(node accepted | parent accepted), for a tree.Node."""
@@ -92,6 +93,8 @@ class Acceptance:
                 self.lookup.update(nd.lookup, hit[i])
             else:
                 self.draft[min(nd.rank, 1)].update(nd.conf, hit[i])
+                if nd.rank == 0:
+                    self.first = [RHO_DECAY * self.first[0] + hit[i], RHO_DECAY * self.first[1] + 1]
         for i, nd in enumerate(nodes):  # did expanding an accepted node pay?
             if nd.cache is not None and hit[i]:
                 self.rho = RHO_DECAY * self.rho + (1 - RHO_DECAY) * any(hit[j] for j, c in enumerate(nodes)

@@ -120,7 +120,7 @@ def certify(args) -> int:
         raise SpecDecodeError("--draws must be at least 1000 and --max-new-tokens positive")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, progress=not args.json)
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, progress=not args.json)
     if engine.draft_model is None:
         methods = [m for m in methods if m != "draft"]
     report = cert.certify(engine, methods=methods, draws=args.draws, max_new_tokens=args.max_new_tokens,
@@ -137,6 +137,7 @@ def certify(args) -> int:
 
 
 def _backend_args(parser) -> None:
+    from .drafters import DRAFT_WINDOW
     from .models import BACKENDS
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto (default): GGUF models on the CPU run on llama.cpp, the rest on torch")
@@ -149,6 +150,9 @@ def _backend_args(parser) -> None:
                              "frequencies from --draft-vocab-from or --datastore); a lighter draft, same output")
     parser.add_argument("--draft-vocab-from", default=None, metavar="DIR",
                         help="the datastore whose token frequencies choose --draft-vocab's tokens")
+    parser.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
+                        help=f"the draft model sees about the last N tokens of the text (default {DRAFT_WINDOW}; 0: all "
+                             "of it): on a long prompt it reads a window, not the whole prompt; the output is the same")
 
 
 def _lookup_args(parser, history: bool = False, history_default: int = 1_000_000) -> None:
@@ -202,7 +206,7 @@ def bench(args) -> None:
         raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to method tree, which is not benchmarked")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, datastore=args.datastore,
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore,
                          history_tokens=args.history_tokens, with_draft=methods is None or bool({"draft", "hf-assisted", "tree", "auto"} & set(methods)))
     if methods is None:
         methods = default_methods(engine)
@@ -223,7 +227,7 @@ def generate(args) -> None:
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=args.method in ("draft", "tree", "auto"), progress=not args.json,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, datastore=args.datastore)
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop=args.stop, chat=args.chat, **_tree_kwargs(args))

@@ -18,27 +18,56 @@ from pathlib import Path
 
 from .calibration import Calibration  # noqa: F401  (re-exported)
 
-TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 DRAFT_SIZES = (1, 2, 4, 8)
-CONTEXT = 128  # tokens already cached when timing: a typical prompt
+DRAFT_READ = 128  # one draft pass over this many tokens: what catching the draft up on unseen text costs
+CONTEXT = 128  # tokens already cached when timing the base table: a typical short prompt
+LONG_CONTEXTS = (1024, 2048)  # also timed where the model's context holds them: attention grows with the text
+LONG_SIZES = 16  # at the long contexts, passes up to this many tokens (past it: the base table's shape)
+FORMAT = 2  # the cache file's format: tables at several contexts, measured as they are (not made monotone)
 
 
 @dataclass
 class CostModel:
+    """Seconds of one pass. target/draft: over n new tokens after CONTEXT cached ones; target_at/draft_at:
+    the same after other context lengths (ctx -> table). A pass's cost at another context is interpolated
+    linearly between the measured contexts and continued past the last (attention is linear in the
+    context). Tables keep what was measured: on some CPUs a 4-token pass is cheaper than a 3-token one
+    (llama.cpp's repacked gemm takes tokens in groups of 4), and the planner may use that."""
     target: dict[int, float]  # tokens in one target pass -> seconds
     draft: dict[int, float] = field(default_factory=dict)  # tokens in one draft pass -> seconds
+    target_at: dict[int, dict[int, float]] = field(default_factory=dict)  # longer contexts
+    draft_at: dict[int, dict[int, float]] = field(default_factory=dict)
 
-    def t(self, n: int) -> float:
-        return _interpolate(self.target, n)
+    def t(self, n: int, context: int | None = None) -> float:
+        return _at_context(self.target, self.target_at, n, context)
 
-    def d(self, k: int) -> float:
-        return _interpolate(self.draft, k) if self.draft else 0.0
+    def d(self, k: int, context: int | None = None) -> float:
+        return _at_context(self.draft, self.draft_at, k, context) if self.draft else 0.0
+
+    def read(self, m: int, context: int | None = None) -> float:
+        """Seconds for the draft model to read m tokens it has not seen (catching up), in one pass."""
+        return self.d(m, context) if m > 0 else 0.0
+
+    @property
+    def contexts(self) -> list[int]:
+        return sorted({CONTEXT, *self.target_at})
+
+    def at(self, context: int, draft_context: int | None = None) -> "CostModel":
+        """The same costs, evaluated at `context` cached target tokens (and draft_context draft tokens,
+        default the same): a plain CostModel whose t() and d() need no context."""
+        dc = context if draft_context is None else draft_context
+        return CostModel({n: self.t(n, context) for n in self.target},
+                         {k: self.d(k, dc) for k in self.draft} if self.draft else {})
 
     def as_dict(self) -> dict:
-        """Costs relative to one plain decoding step (a 1-token target pass)."""
+        """Costs relative to one plain decoding step (a 1-token target pass after CONTEXT tokens)."""
         one = self.t(1)
         return {"target_s_1": one, "target": {n: s / one for n, s in self.target.items()},
-                "draft": {k: s / one for k, s in self.draft.items()}}
+                "draft": {k: s / one for k, s in self.draft.items()},
+                "context": CONTEXT,
+                "target_at": {c: {n: s / one for n, s in tab.items()} for c, tab in self.target_at.items()},
+                "draft_at": {c: {k: s / one for k, s in tab.items()} for c, tab in self.draft_at.items()}}
 
 
 def _interpolate(table: dict[int, float], n: int) -> float:
@@ -50,25 +79,45 @@ def _interpolate(table: dict[int, float], n: int) -> float:
     return table[a] + (table[b] - table[a]) * (n - a) / (b - a)  # beyond the last point: extrapolate
 
 
-def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0) -> dict[int, float]:
-    """Seconds of one pass over n new tokens after CONTEXT cached ones: the fastest of `repeats`
-    rounds (round-robin over the sizes, so a burst of noise does not hit one size only), made
-    non-decreasing in n. Sizes past stop_at x the 1-token cost are not measured (extrapolated)."""
+def _at_context(base: dict[int, float], longer: dict[int, dict[int, float]], n: int, context: int | None) -> float:
+    """A pass over n tokens after `context` cached ones: linear in the context between the measured
+    contexts (CONTEXT for `base`), continued past the last; a pass bigger than a long table's largest
+    size takes the base table's cost plus the long table's extra cost at its largest size."""
+    here = _interpolate(base, n)
+    if context is None or not longer:
+        return here
+    points = [(CONTEXT, here)]
+    for c in sorted(longer):
+        tab = longer[c]
+        top = max(tab)
+        points.append((c, _interpolate(tab, n) if n <= top else here + _interpolate(tab, top) - _interpolate(base, top)))
+    if context <= CONTEXT:
+        return here
+    i = next((i for i in range(1, len(points)) if context <= points[i][0]), len(points) - 1)
+    (c0, s0), (c1, s1) = points[i - 1], points[i]
+    return max(s0 + (s1 - s0) * (context - c0) / (c1 - c0), here * 0.5)
+
+
+def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0, context: int = CONTEXT) -> dict[int, float]:
+    """Seconds of one pass over n new tokens after `context` cached ones: the fastest of `repeats`
+    rounds (round-robin over the sizes, so a burst of noise does not hit one size only), kept as
+    measured (a bigger pass may be cheaper: kernels work in groups). Sizes past stop_at x the
+    smallest size's cost are not measured (extrapolated)."""
     vocab = min(1000, lm.vocab_size)
-    context = [(7 * i + 11) % vocab for i in range(CONTEXT)]
+    text = [(7 * i + 11) % vocab for i in range(context)]
     best: dict[int, float] = {}
     lm.reset()
-    lm.forward(context, last_only=True)
+    lm.forward(text, last_only=True)
     for n in sizes[:2]:  # warm-up
         lm.forward([1] * n)
-        lm.rollback(CONTEXT)
+        lm.rollback(context)
     for r in range(repeats):
         for n in sizes:
             if r and n not in best:
                 continue
             if best and best[sizes[0]] * stop_at < best.get(n, 0.0):
                 continue
-            lm.rollback(CONTEXT)
+            lm.rollback(context)
             t = time.perf_counter()
             lm.forward([1] * n)
             lm.synchronize()
@@ -78,11 +127,7 @@ def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0) ->
             if r == 0 and best[n] > best[sizes[0]] * stop_at:
                 break
     lm.reset()
-    out, running = {}, 0.0
-    for n in sorted(best):
-        running = max(running, best[n])
-        out[n] = running
-    return out
+    return dict(sorted(best.items()))
 
 
 def machine_key(*lms) -> str:
@@ -100,6 +145,10 @@ def _cpu_name() -> str:
     return ""
 
 
+def _tables(raw) -> dict[int, dict[int, float]]:
+    return {int(c): {int(k): float(v) for k, v in tab.items()} for c, tab in raw.items()}
+
+
 def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostModel:
     from .models import cache_dir
     path = cache_dir() / "costs" / f"{machine_key(*(lm for lm in (target_lm, draft_lm) if lm is not None))}.json"
@@ -107,19 +156,31 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
         try:
             raw = json.loads(path.read_text())
             tables = [{int(k): float(v) for k, v in raw[name].items()} for name in ("target", "draft")]
-            if tables[0] and all(v > 0 for t in tables for v in t.values()) and (bool(tables[1]) == (draft_lm is not None)):
-                return CostModel(*tables)
+            longer = [_tables(raw.get(name, {})) for name in ("target_at", "draft_at")]
+            values = [v for t in tables + [t for d in longer for t in d.values()] for v in t.values()]
+            if (raw.get("format") == FORMAT and tables[0] and all(v > 0 for v in values)
+                    and bool(tables[1]) == (draft_lm is not None)):
+                return CostModel(*tables, *longer)
         except (ValueError, KeyError, TypeError, AttributeError):
-            pass  # a damaged file: measure again
+            pass  # a damaged file, or one of an older format: measure again
     from tqdm.auto import tqdm
     sizes = [n for n in TARGET_SIZES if n + CONTEXT < target_lm.max_length]
-    dsizes = [k for k in DRAFT_SIZES if draft_lm is not None and k + CONTEXT < draft_lm.max_length]
-    with tqdm(total=3 * (len(sizes) + len(dsizes)), desc="measuring pass costs (once per machine)",
-              disable=not progress, leave=False) as bar:
-        costs = CostModel(measure(target_lm, sizes, progress=bar),
-                          measure(draft_lm, dsizes, progress=bar) if dsizes else {})
+    dsizes = [k for k in (*DRAFT_SIZES, DRAFT_READ) if draft_lm is not None and k + CONTEXT < draft_lm.max_length]
+    longs = [c for c in LONG_CONTEXTS if c + 2 * max(TARGET_SIZES) < target_lm.max_length]
+    dlongs = [c for c in LONG_CONTEXTS[:1] if draft_lm is not None and c + 2 * DRAFT_READ < draft_lm.max_length]
+    lsizes = [n for n in sizes if n <= LONG_SIZES]
+    total = 3 * (len(sizes) + len(dsizes) + len(longs) * len(lsizes) + len(dlongs) * len(dsizes))
+    with tqdm(total=total, desc="measuring pass costs (once per machine)", disable=not progress, leave=False) as bar:
+        target = measure(target_lm, sizes, progress=bar)
+        target_at = {c: measure(target_lm, lsizes, progress=bar, context=c) for c in longs}
+        draft = draft_at = {}
+        if dsizes:  # the draft's big pass (catching up) is timed whatever its cost
+            draft = measure(draft_lm, dsizes, progress=bar, stop_at=float("inf"))
+            draft_at = {c: measure(draft_lm, dsizes, progress=bar, stop_at=float("inf"), context=c) for c in dlongs}
+        costs = CostModel(target, draft, target_at, draft_at)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"target": costs.target, "draft": costs.draft}, indent=1))
+    tmp.write_text(json.dumps({"format": FORMAT, "target": costs.target, "draft": costs.draft,
+                               "target_at": costs.target_at, "draft_at": costs.draft_at}, indent=1))
     tmp.replace(path)
     return costs

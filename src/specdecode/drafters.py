@@ -28,6 +28,8 @@ class Draft:
     modelled_s: float | None = None  # the cost model's seconds for this step (drafting + the target pass)
     strategy: str | None = None  # what this step ran: plain, lookup, draft (a chain), tree
     sources: list[str] | None = None  # [n] where each token came from: draft, context, history, datastore
+    plain_s: float | None = None  # the cost model's seconds of one plain step at this context
+    catchup_s: float = 0.0  # wall seconds the drafter spent reading text it had not seen (in the step's time)
 
     @property
     def tree_parents(self) -> list[int]:
@@ -62,15 +64,24 @@ class Drafter(Protocol):
         """ids[:length], then the drafted nodes `path` (the accepted branch), then `bonus` now stand."""
 
 
+CATCHUP_APART = 16  # a root pass feeding more tokens than this reads them first in a pass of their own (timed)
+DRAFT_WINDOW = 512  # tokens of context the draft model sees (see DraftModel.window; --draft-window)
+
+
 class DraftModel:
     """A small causal LM that shares the target's tokenizer, with its own KV cache. As a drafter it
     proposes a chain of gamma tokens; tree.TreeDrafter grows trees with its root and expand passes.
     Cache invariant: the draft cache holds a prefix of the committed ids (all of them after a root pass)."""
 
-    def __init__(self, model, vocab_size: int):
+    def __init__(self, model, vocab_size: int, window: int | None = DRAFT_WINDOW):
         self.lm = as_lm(model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
         self.vocab_size = vocab_size  # the target's V: q must live on the same support as p
         self.keep: torch.Tensor | None = None  # the token ids the output layer still has (None: all)
+        # the draft sees only the last `window` tokens or so (None: all of them): ids[offset:] at positions
+        # 0, 1, ... of its own cache. The draft never changes the output, so what it sees is free to choose;
+        # on a long prompt it then reads a window instead of the whole prompt.
+        self.window = window
+        self.offset = 0
 
     def truncate(self, keep) -> None:
         """FR-Spec (Zhao et al. 2025): keep only these rows of the draft's output layer (the most
@@ -107,23 +118,66 @@ class DraftModel:
 
     def reset(self) -> None:
         self.lm.reset()
+        self.offset = 0
+
+    def _rebase(self, n: int) -> int:
+        """The offset the draft's view starts at once n committed tokens stand: kept while the view is
+        under 1.5 windows long (so the draft re-reads a window only every half window of text), else
+        moved to n - window with the cache emptied."""
+        w = self.view_window
+        if w is None or n - self.offset <= w + w // 2:
+            return self.offset
+        return max(0, n - w)
+
+    @property
+    def view_window(self) -> int | None:
+        """The window in force: at most half the draft's own context, so that a view of 1.5 windows and
+        a draft's depth always fit in it (a short-context draft then never runs out of room)."""
+        return None if self.window is None else max(1, min(self.window, self.lm.max_length // 2))
+
+    def unread(self, n: int) -> int:
+        """Tokens the draft must read (the last one included) before it guesses after n committed tokens:
+        what the root pass feeds. Its cost is the catch-up a planner weighs before running the draft."""
+        offset = self._rebase(n)
+        return n - offset - (len(self.lm) if offset == self.offset else 0)
+
+    def seen(self, n: int) -> int:
+        """Tokens in the draft's view once it has caught up with n committed tokens (its context length)."""
+        return n - self._rebase(n)
 
     def room(self, n: int) -> int:
         """How deep a draft may grow after n committed tokens without leaving the draft model's own
-        context (positions 0 .. lm.max_length-1): the root pass reads up to position n-1, and a node at
-        depth d is fed (to get the logits of depth d+1) at position n-1+d; the deepest nodes are never
-        fed. 0 = the draft model can no longer draft: the target goes on without it."""
-        return max(0, self.lm.max_length - n + 1)
+        context (positions 0 .. lm.max_length-1): the root pass reads up to view position n-1, and a node
+        at depth d is fed (to get the logits of depth d+1) at view position n-1+d; the deepest nodes are
+        never fed. 0 = the draft model can no longer draft: the target goes on without it."""
+        return max(0, self.lm.max_length - self.seen(n) + 1)
 
     def prefill(self, ids: list[int]) -> None:
         if self.room(len(ids) + 1):  # a prompt longer than the draft's context: it never drafts
-            self.lm.forward(ids, last_only=True)
+            self.offset = max(0, len(ids) - self.view_window) if self.window is not None else 0
+            self.lm.reset()
+            self.lm.forward(ids[self.offset:], last_only=True)
 
-    def root(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+    def root(self, ids: list[int], read=None) -> tuple[torch.Tensor, int]:
         """Logits [V] of the token after ids, and how many tokens this pass fed. Cache invariant:
-        lm.ids is a prefix of ids (commit keeps it so); feed what it lacks."""
-        pending = ids[len(self.lm):]
+        lm.ids is a prefix of ids[offset:] (commit keeps it so); feed what it lacks. read(tokens): called
+        first with the tokens to catch up on (all fed but the last), when there are more than a few, so
+        that a caller can time that part apart."""
+        offset = self._rebase(len(ids))
+        if offset != self.offset:
+            self.offset = offset
+            self.lm.reset()
+        pending = ids[self.offset + len(self.lm):]
+        if read is not None and len(pending) > CATCHUP_APART:
+            read(lambda: self.lm.forward(pending[:-1], last_only=True))
+            return self._full(self.lm.forward(pending[-1:], last_only=True)[-1]), len(pending)
         return self._full(self.lm.forward(pending, last_only=True)[-1]), len(pending)
+
+    def keep_branch(self, length: int, branch: list[int]) -> None:
+        """ids[:length] and then the draft-cache entries `branch` (accepted tree nodes that went through a
+        draft pass, hanging off the last cached entry) now stand."""
+        n = length - self.offset
+        self.lm.rollback(min(n, len(self.lm)), branch if len(self.lm) >= n else [])
 
     def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """One pass over tree nodes (parents: draft-cache indices); logits [k, V] after each."""
@@ -147,7 +201,7 @@ class DraftModel:
 
     def commit(self, length: int, path: list[int], bonus: int) -> None:
         """Keep ids[:length] and the accepted draft tokens the cache holds (the next root feeds the rest)."""
-        self.lm.rollback(min(length + len(path), len(self.lm)))
+        self.lm.rollback(min(length + len(path) - self.offset, len(self.lm)))
 
 
 class PromptLookup:

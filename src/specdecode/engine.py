@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .drafters import Draft, Drafter, DraftModel, PromptLookup
+from .drafters import DRAFT_WINDOW, Draft, Drafter, DraftModel, PromptLookup
 from .errors import SpecDecodeError
 from .kv import LM, as_lm
 from .lookup import Datastore, History, Lookup, tokenizer_fingerprint
@@ -43,13 +43,15 @@ class Stats:
     expected_tokens: float = 0.0  # the drafter's expected tokens per pass, summed over passes that had one
     planned_passes: int = 0
     modelled_s: float = 0.0  # the cost model's seconds for those passes (drafting + verification)
-    plain_step_s: float | None = None  # the cost model's seconds of one plain decoding step
+    plain_step_s: float | None = None  # the cost model's seconds of one plain decoding step (at the contexts
+    # of the planned passes, weighted by their expected tokens)
     strategies: dict = field(default_factory=dict)  # target passes by what ran: plain, lookup, draft, tree
     sources: dict = field(default_factory=dict)  # source -> {"drafted": n, "accepted": n}: draft, context, history, datastore
     lookup_sources: list = field(default_factory=list)  # the lookup sources this generation drew from
     wall_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float | None = None  # seconds from the start of the stream to the first emitted token (prefill included)
+    first_tokens: int = 0  # tokens the first step emitted (they arrive at ttft_s: not part of decoding)
     draft_s: float = 0.0
     catchup_s: float = 0.0  # of draft_s: the draft model reading text it had not seen (prompt, skipped steps)
     verify_s: float = 0.0
@@ -60,6 +62,7 @@ class Stats:
         # the sources of those]; not a field, so not in as_dict: what truncate() needs to take back
         # tokens cut at a stop string
         self._passes: list[list] = []
+        self._plain_weighted = 0.0  # sum over planned passes of expected tokens x the plain step's seconds there
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -76,10 +79,10 @@ class Stats:
 
     @property
     def decode_tokens_per_second(self) -> float | None:
-        """Tokens after the first, per second after the first: decoding speed without the prefill."""
-        if self.ttft_s is None or self.new_tokens < 2 or self.wall_s <= self.ttft_s:
+        """Tokens after the first step's, per second after it: decoding speed without the prefill."""
+        if self.ttft_s is None or self.new_tokens <= self.first_tokens or self.wall_s <= self.ttft_s:
             return None
-        return (self.new_tokens - 1) / (self.wall_s - self.ttft_s)
+        return (self.new_tokens - self.first_tokens) / (self.wall_s - self.ttft_s)
 
     @property
     def mean_tree_nodes(self) -> float | None:
@@ -119,6 +122,10 @@ class Stats:
             self.expected_tokens += draft.expected
             self.planned_passes += 1
             self.modelled_s += draft.modelled_s or 0.0
+            if draft.plain_s:
+                self._plain_weighted += draft.expected * draft.plain_s
+                self.plain_step_s = self._plain_weighted / self.expected_tokens
+        self.catchup_s += draft.catchup_s
         strategy = draft.strategy or ("plain" if not draft.tokens else "tree" if draft.parents is not None
                                       else "draft")
         self.strategies[strategy] = self.strategies.get(strategy, 0) + 1
@@ -251,14 +258,17 @@ class Engine:
     """
 
     def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None, *,
-                 history_tokens: int = 0, datastore: str | None = None):
+                 history_tokens: int = 0, datastore: str | None = None, draft_window: int | None = DRAFT_WINDOW):
         self.tokenizer = tokenizer
         self.target = as_lm(target_model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
         self.vocab_size = self.target.vocab_size
         self.draft_model = None
         if draft_model is not None:
             check_compatible(tokenizer, draft_tokenizer if draft_tokenizer is not None else tokenizer)
-            self.draft_model = DraftModel(draft_model, self.vocab_size)
+            if draft_window is not None and (not isinstance(draft_window, int) or isinstance(draft_window, bool)
+                                             or draft_window <= 0):
+                raise SpecDecodeError(f"draft_window must be a positive integer or None, got {draft_window!r}")
+            self.draft_model = DraftModel(draft_model, self.vocab_size, draft_window)
         self.eos_ids = self.target.eos_token_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
         self.progress = True
@@ -294,7 +304,7 @@ class Engine:
              dtype: str | None = None, device: str | None = None, with_draft: bool = True, progress: bool = True,
              threads: int | None = None, draft_quant: str = "auto", history_tokens: int = 0,
              datastore: str | None = None, draft_vocab: int | None = None,
-             draft_vocab_from: str | None = None) -> "Engine":
+             draft_vocab_from: str | None = None, draft_window: int | None = DRAFT_WINDOW) -> "Engine":
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
@@ -302,7 +312,8 @@ class Engine:
         file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output),
         "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine.
         draft_vocab (torch): truncate the draft's output layer to this many most frequent tokens of
-        draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab."""
+        draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab. draft_window: the
+        draft model sees only about the last this many tokens (None: the whole text), see DraftModel."""
         from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_lm, resolve_backend
         if target is None:
             target = DEFAULT_TARGET
@@ -324,7 +335,8 @@ class Engine:
         if with_draft and draft:
             d_model, d_tok, d_backend = load_lm(draft, backend, dtype=dtype, device=device, progress=progress,
                                                 threads=threads, quant=draft_quant if backend != "torch" else None)
-        engine = cls(t_model, t_tok, d_model, d_tok, history_tokens=history_tokens, datastore=datastore)
+        engine = cls(t_model, t_tok, d_model, d_tok, history_tokens=history_tokens, datastore=datastore,
+                     draft_window=draft_window)
         engine.progress = progress
         if draft_vocab is not None and engine.draft_model is not None:
             engine.truncate_draft_vocab(draft_vocab, draft_vocab_from)
@@ -398,7 +410,7 @@ class Engine:
                             tree_nodes=tree_nodes)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
-        drafter = self._drafter(method, gamma, params, tree_width, tree_depth, tree_nodes)
+        drafter = self._drafter(method, gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens)
         # a stop string that is a special token never shows in the decoded text: stop on its id
         added = self.tokenizer.get_added_vocab()
         stop_ids = {added[s] for s in stops if s in added}
@@ -411,7 +423,7 @@ class Engine:
         depth_cap = gamma  # what one step may draft: a chain's length; a tree drafter's own depth cap
         if method in ("tree", "auto", "lookup"):
             depth_cap = drafter.max_depth
-            stats.plain_step_s = self.costs.t(1)
+            stats.plain_step_s = self.costs.t(1, len(prompt_ids))
         if method == "auto":
             stats.tree = {"draft_model": drafter.model is not None}
         if method == "tree":
@@ -462,7 +474,8 @@ class Engine:
                 raise SpecDecodeError(f"{name} applies to method 'tree' only (method is {method!r})")
         return params
 
-    def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None):
+    def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None,
+                 max_new_tokens: int | None = None):
         """The drafter of one generation (arguments already checked by `check`)."""
         if method == "autoregressive":
             return None
@@ -474,15 +487,17 @@ class Engine:
                                chains_only=bool(self._tree_error(None)))  # a model that cannot run trees: one chain
         if method == "auto":
             costs = self.tree_costs()
-            model = self.draft_model if self.draft_model is not None and draft_model_can_pay(costs) else None
+            model = self.draft_model if self.draft_model is not None and draft_model_can_pay(
+                costs, window=self.draft_model.view_window) else None
             state = TreeState()
             # the first steps run without the draft model, so that its measured rate is compared with a
             # measured rate of the steps without it (tree.TreeDrafter._learn_rate), not with a model of it
             state.plain_left = AUTO_PROBE_STEPS if model is not None else 0
             state.measure = True
-            if self._tree_error(model):  # e.g. flash attention: chains only (a draft chain, else lookup)
-                return TreeDrafter(model, costs=costs, state=state, lookup=self._lookup(), chains_only=True)
-            return TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup())
+            # lazy: the draft reads the text only when a step runs it, and a step runs it only when the
+            # seconds it should save before max_new_tokens pay for that reading (tree.TreeDrafter._model_pays)
+            return TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup(), lazy=True,
+                               remaining=max_new_tokens, chains_only=bool(self._tree_error(model)))
         if method == "tree":
             error = self._tree_error(self.draft_model)
             if error:  # before any model work
@@ -531,7 +546,7 @@ class TextStream:
         try:
             for new in self.steps:
                 if stats.ttft_s is None:
-                    stats.ttft_s = time.perf_counter() - t0
+                    stats.ttft_s, stats.first_tokens = time.perf_counter() - t0, len(new)
                 ids += new
                 before, after = decode(ids[context:read]), decode(ids[context:])
                 whole = len(after)

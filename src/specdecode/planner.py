@@ -7,7 +7,7 @@ node's value is the estimated probability that the target accepts the whole path
 """
 from __future__ import annotations
 
-from .calibration import Acceptance
+from .calibration import PRIOR_WEIGHT, Acceptance
 from .costs import CostModel
 
 MAX_WIDTH, MAX_DEPTH, MAX_NODES = 4, 8, 32  # caps of an adaptive tree (EAGLE-2 verifies up to ~60 nodes
@@ -40,11 +40,15 @@ def chain_speedup(costs: CostModel, alpha: float, max_depth: int = MAX_DEPTH) ->
     return best
 
 
-def draft_model_can_pay(costs: CostModel, alpha: float = AUTO_ALPHA) -> bool:
-    """Whether the auto method should run the draft model at all on this machine. Where it cannot pay
-    (llama.cpp on 2 cores: a draft pass at ~0.5 and a 2-token pass at ~1.6 plain steps) it never runs
-    it, and decodes plainly or with free lookup guesses."""
-    return bool(costs.draft) and chain_speedup(costs, alpha) > AUTO_MARGIN
+def draft_model_can_pay(costs: CostModel, alpha: float = AUTO_ALPHA, window: int | None = None) -> bool:
+    """Whether the auto method should load the draft model into its plan at all on this machine: at
+    some measured context length (the draft seeing at most `window` tokens) a chain could beat plain
+    decoding by AUTO_MARGIN. Where it cannot (llama.cpp on 2 cores: a draft pass at ~0.5 and a 2-token
+    pass at ~1.6 plain steps) auto never runs it, and decodes plainly or with free lookup guesses."""
+    if not costs.draft:
+        return False
+    return any(chain_speedup(costs.at(c, c if window is None else min(c, window)), alpha) > AUTO_MARGIN
+               for c in costs.contexts)
 
 
 def pays(costs: CostModel, spent: float, e: float, n: int, v: float) -> bool:
@@ -100,6 +104,12 @@ class TreeState(Acceptance):
         # (another process was busy then, the machine changed speed); the two measured rates cannot.
         self.measured = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.measure = False  # decide by the measured rates (the auto method) rather than the modelled ones
+
+    def draft_alpha(self) -> float:
+        """The draft's per-token acceptance along a chain (its first choices), learned in this generation
+        from the prior AUTO_ALPHA (worth PRIOR_WEIGHT verdicts)."""
+        hits, tries = self.first
+        return (hits + PRIOR_WEIGHT * AUTO_ALPHA) / (tries + PRIOR_WEIGHT)
 
     def measured_rate(self, with_model: bool) -> float | None:
         tokens, seconds = self.measured[with_model]

@@ -31,8 +31,8 @@ from .calibration import lookup_feature
 from .costs import CostModel
 from .drafters import Draft
 from .lookup import Guess, Lookup
-from .planner import (MASS_COVER, MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeState, best_cut, chain_speedup,  # noqa: F401
-                      draft_model_can_pay, frontier_width, pays)
+from .planner import (AUTO_MARGIN, MASS_COVER, MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeState, best_cut,  # noqa: F401
+                      chain_speedup, draft_model_can_pay, frontier_width, pays)
 from .sampling import SamplingParams, probs_from_logits, sample
 
 MAX_LOOKUP_NODES = 24  # lookup guesses offered to the planner per source and step (it keeps those that pay)
@@ -59,10 +59,13 @@ class Node:
 class TreeDrafter:
     def __init__(self, draft_model=None, *, pld: bool = True, width: int | None = None, depth: int | None = None,
                  nodes: int | None = None, adaptive: bool = True, costs: CostModel | None = None,
-                 state: TreeState | None = None, lookup: Lookup | None = None, chains_only: bool = False):
+                 state: TreeState | None = None, lookup: Lookup | None = None, chains_only: bool = False,
+                 lazy: bool = False, remaining: int | None = None):
         """pld: add lookup guesses (from `lookup`, by default the context only). chains_only: one child
         per node (width 1, and lookup guesses only where no other child is), for models that cannot
-        run token trees."""
+        run token trees. lazy (the auto method): the draft model reads the text only when a step runs it,
+        and a step runs it only when what it is expected to save over the rest of the generation
+        (`remaining` tokens) pays for the text it must read first (_model_pays)."""
         self.chains_only = chains_only
         if chains_only:
             width = 1
@@ -75,6 +78,9 @@ class TreeDrafter:
         self.max_depth = depth or MAX_DEPTH
         self.max_nodes = nodes or (MAX_NODES if width is None or depth is None else 10 ** 6)
         self.costs, self.state = costs, state or TreeState()
+        self._now = costs  # the costs at the current context length (set each step)
+        self.lazy, self.remaining = lazy, remaining
+        self.catchup_s = 0.0  # wall seconds of this step's draft catch-up (reading unseen text)
         self.nodes: list[Node] = []  # everything grown this step
         self.kept: list[Node] = []  # the nodes sent to the target, in Draft order
         self.spent = 0.0  # modelled draft seconds of the current step
@@ -88,8 +94,8 @@ class TreeDrafter:
     def prefill(self, ids: list[int]) -> None:
         if self.lookup is not None:
             self.lookup.prefill(ids)
-        # while backing off, the draft model reads the text only when it is next used
-        if self.model is not None and not (self.adaptive and self.state.plain_left > 0):
+        # lazily, or while backing off, the draft model reads the text only when it is next used
+        if self.model is not None and not self.lazy and not (self.adaptive and self.state.plain_left > 0):
             self.model.prefill(ids)
 
     # -- one step -------------------------------------------------------------------------------
@@ -97,15 +103,21 @@ class TreeDrafter:
         """depth_cap: the loop's cap on the depth (it never drafts what it cannot emit); the tree's own
         cap is max_depth."""
         st, max_depth = self.state, min(depth_cap, self.max_depth)
-        self.nodes, self.spent = [], 0.0
+        self.nodes, self.spent, self.catchup, self.catchup_s = [], 0.0, 0.0, 0.0
         self._t0 = time.perf_counter()  # the step's wall time runs until commit (after the target's pass)
+        if self.costs is not None:  # pass costs at this context length (the draft's: its own view's)
+            self._now = self.costs.at(len(ids), self.model.seen(len(ids)) if self.model is not None else None)
         backing_off = self.model is not None and self.adaptive and st.plain_left > 0
         if backing_off:
             st.plain_left -= 1  # backing off: prompt lookup (free to draft) may still propose
+        skip = backing_off or (self.model is not None and self.lazy and not self._model_pays(ids))
         # the draft model drafts only as deep as its own context holds (none once full: lookup goes on)
-        model_depth = 0 if self.model is None or backing_off else min(max_depth, self.model.room(len(ids)))
+        model_depth = 0 if self.model is None or skip else min(max_depth, self.model.room(len(ids)))
         if model_depth:
-            logits, fed = self.model.root(ids)
+            logits, fed = self.model.root(ids, read=self._read)
+            if self.catchup_s:  # read apart: fed-1 tokens of catch-up, then the root token
+                self.catchup = self._now.read(fed - 1)
+                fed = 1
             self.spent += self._d(fed)
             self._root_index = len(self.model.lm) - 1
             frontier = [(-1, logits)]  # (node, draft logits after it)
@@ -124,6 +136,24 @@ class TreeDrafter:
         if self.lookup is not None:
             self._add_lookup(ids, max_depth, params.greedy)
         return self._draft(self._select(params))
+
+    def _read(self, run) -> None:
+        t = time.perf_counter()
+        run()
+        self.catchup_s += time.perf_counter() - t
+
+    def _model_pays(self, ids: list[int]) -> bool:
+        """Whether this step should run the draft model (the auto method): a draft chain at the learned
+        acceptance must beat plain decoding at this context by AUTO_MARGIN on the measured costs, and
+        the seconds it is expected to save over the tokens still to come must exceed what reading the
+        unseen text (the prompt, or what was written while it was not run) costs first."""
+        now = self._now
+        speedup = chain_speedup(now, self.state.draft_alpha())
+        if speedup <= AUTO_MARGIN:
+            return False
+        left = self.remaining if self.remaining is not None else MAX_DEPTH
+        saved = left * now.t(1) * (1 - 1 / speedup)
+        return saved > now.read(max(0, self.model.unread(len(ids)) - 1))
 
     def _children(self, parent: int, logits: torch.Tensor, depth: int, params: SamplingParams, generator) -> list[int]:
         v_parent = 1.0 if parent < 0 else self.nodes[parent].value
@@ -162,7 +192,7 @@ class TreeDrafter:
         k = 0
         for r, c in enumerate(top):
             v = v_parent * self.state.draft[min(r, 1)](c)
-            if not pays(self.costs, self.spent, e, n, v):
+            if not pays(self._now, self.spent, e, n, v):
                 break
             e, n, k = e + v, n + 1, k + 1
         return k
@@ -180,7 +210,7 @@ class TreeDrafter:
             return []  # drawn nodes are never pruned: stop growing at the budget
         if not self.adaptive or self.fixed_depth is not None and self.fixed_width is not None:
             return ranked
-        w = frontier_width([self.nodes[i].value for i in ranked], self.costs, self.spent, self._best(params),
+        w = frontier_width([self.nodes[i].value for i in ranked], self._now, self.spent, self._best(params),
                            self._d, self.state.rho, self.fixed_width, must_expand=self.fixed_depth is not None)
         return ranked[:w]
 
@@ -190,7 +220,7 @@ class TreeDrafter:
     def _best(self, params: SamplingParams) -> tuple[float, int, float]:
         """(rate, N, expected tokens) of the best tree that can be cut from the nodes so far."""
         values = [self.nodes[i].value for i in self._ranked()]
-        return best_cut(values, self.costs, self.spent, keep_all=not params.greedy, max_nodes=self.max_nodes)
+        return best_cut(values, self._now, self.spent, keep_all=not params.greedy, max_nodes=self.max_nodes)
 
     def _add_lookup(self, ids: list[int], max_depth: int, greedy: bool) -> None:
         """Join the lookup guesses to the tree (a guess equal to a node already there merges into it)."""
@@ -211,7 +241,7 @@ class TreeDrafter:
             if self.chains_only and any(nd.parent == parent for nd in self.nodes):
                 continue  # chains only: one child per node
             # one-hot, so droppable; but a sampled tree is not cut later, so decide now
-            if not greedy and self.adaptive and not pays(self.costs, self.spent, 1.0 + sum(nd.value for nd in self.nodes),
+            if not greedy and self.adaptive and not pays(self._now, self.spent, 1.0 + sum(nd.value for nd in self.nodes),
                                                          len(self.nodes), value):
                 continue
             where[-1] = self._add(Node(g.token, parent, g.depth, value, None, lookup=feature, source=g.source,
@@ -242,14 +272,15 @@ class TreeDrafter:
         expected = modelled = None
         if self.costs is not None:
             expected = 1.0 + sum(nd.value for nd in self.kept)
-            modelled = self.spent + self.costs.t(len(tokens) + 1)
+            modelled = self.catchup + self.spent + self._now.t(len(tokens) + 1)
         strategy = ("plain" if not tokens else "lookup" if all(nd.conf is None for nd in self.kept)
                     else "draft" if chain else "tree")
         return Draft(tokens, q, None if chain else parents, expected, modelled, strategy,
-                     [nd.source for nd in self.kept])
+                     [nd.source for nd in self.kept], plain_s=self._now.t(1) if self.costs is not None else None,
+                     catchup_s=self.catchup_s)
 
     def _d(self, k: int) -> float:
-        return self.costs.d(k) if self.costs is not None else 0.0
+        return self._now.d(k) if self.costs is not None else 0.0
 
     # -- after the target's verdict ---------------------------------------------------------------
     def commit(self, length: int, path: list[int], bonus: int) -> None:
@@ -259,18 +290,20 @@ class TreeDrafter:
         kept = self.kept
         if self.lookup is not None:
             self.lookup.accepted([kept[i].guess for i in path if kept[i].guess is not None])
+        if self.remaining is not None:
+            self.remaining -= len(path) + 1
         if self.model is not None:
-            lm = self.model.lm
             branch = []
             for i in path:  # the accepted nodes that went through a draft pass: a prefix of the path
                 if kept[i].cache is None:
                     break
                 branch.append(kept[i].cache)
-            lm.rollback(min(length, len(lm)), branch if len(lm) >= length else [])
+            self.model.keep_branch(length, branch)
         if self.adaptive and self.model is not None:
             used = bool(self.spent)  # this step ran the draft model
-            self.state.record_step(used, len(path) + 1, time.perf_counter() - self._t0)
+            # the step's own seconds: catching up is paid once, and was weighed before running the draft
+            self.state.record_step(used, len(path) + 1, time.perf_counter() - self._t0 - self.catchup_s)
             if used:
-                rate = (len(path) + 1) / (self.spent + self.costs.t(len(kept) + 1))
-                self.state.learn_rate(rate, 1.0 / self.costs.t(1))
+                rate = (len(path) + 1) / (self.spent + self._now.t(len(kept) + 1))
+                self.state.learn_rate(rate, 1.0 / self._now.t(1))
         self.kept, self.nodes = [], []

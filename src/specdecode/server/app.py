@@ -440,7 +440,7 @@ def serve(args) -> None:
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=args.method in ("draft", "tree", "auto") or args.draft is not None,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, datastore=args.datastore, history_tokens=args.history_tokens)
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore, history_tokens=args.history_tokens)
     if args.method in ("tree", "auto", "lookup"):
         engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
