@@ -219,7 +219,7 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
 
 def cpu_description() -> str:
     """CPU model and the vector/matrix flags that decide which kernels run."""
-    from .costs import _cpu_name
+    from .machine import cpu_name
     flags = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -229,7 +229,7 @@ def cpu_description() -> str:
     except OSError:
         pass
     import os
-    return f"{_cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags: {' '.join(flags) or 'n/a'}"
+    return f"{cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags: {' '.join(flags) or 'n/a'}"
 
 
 def decode_rate(new_tokens: int, wall_s: float, ttft_s: float | None, first_tokens: int = 1) -> float | None:

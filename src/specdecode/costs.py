@@ -14,9 +14,9 @@ import platform
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .calibration import Calibration  # noqa: F401  (re-exported)
+from .machine import cache_dir, cpu_name as _cpu_name  # _cpu_name: the old name, kept
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 DRAFT_SIZES = (1, 2, 4, 8)
@@ -135,22 +135,11 @@ def machine_key(*lms) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def _tables(raw) -> dict[int, dict[int, float]]:
     return {int(c): {int(k): float(v) for k, v in tab.items()} for c, tab in raw.items()}
 
 
 def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostModel:
-    from .models import cache_dir
     path = cache_dir() / "costs" / f"{machine_key(*(lm for lm in (target_lm, draft_lm) if lm is not None))}.json"
     if path.exists():
         try:

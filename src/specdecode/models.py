@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import SpecDecodeError
+from .machine import cache_dir  # noqa: F401  (re-exported: specdecode.models.cache_dir)
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,6 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 BACKENDS = ("auto", "torch", "llama.cpp")
 INSTALL_HINT = 'pip install -e ".[models]"  (or: pip install {reqs})'
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECDECODE_CACHE")
-    if root:
-        return Path(root).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "specdecode"
 
 
 def default_dtype(device: str) -> str:

@@ -1,0 +1,28 @@
+"""Facts of this machine and user that several modules need: where the cache lives and the CPU's name.
+
+A leaf: it imports nothing from the package, so costs, models and llamacpp can all read it without an
+import cycle."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted models, tokenizers and measured costs are kept: $SPECDECODE_CACHE, else
+    $XDG_CACHE_HOME/specdecode (default ~/.cache/specdecode)."""
+    root = os.environ.get("SPECDECODE_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "specdecode"
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
