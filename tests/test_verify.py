@@ -276,3 +276,29 @@ def test_works_without_generator():
     p, q, draft = _random_problem(2, B=20)
     accepted, next_token = verify(p, q, draft)
     check_output(accepted, next_token, 20, 3, 7)
+
+
+def test_verify_greedy_is_the_tree_rule_on_one_hot_rows():
+    """The greedy fast path (engine: temperature 0, deterministic nodes) walks the same branch and
+    returns the same token as verify_tree / verify on the one-hot rows, for random trees and chains."""
+    import random
+
+    from specdecode.verify import verify_greedy, verify_tree
+    rng = random.Random(0)
+    V = 6
+    for trial in range(3000):
+        n = rng.randint(0, 9)
+        parents = [rng.randrange(-1, j) if rng.random() < 0.6 else j - 1 for j in range(n)]
+        tokens = []
+        for j in range(n):  # siblings differ (the drafters merge equal guesses)
+            taken = {tokens[i] for i in range(j) if parents[i] == parents[j]}
+            tokens.append(rng.choice([t for t in range(V) if t not in taken] or [0]))
+        best = [rng.randrange(V) for _ in range(n + 1)]
+        p = torch.zeros(n + 1, V).scatter_(-1, torch.tensor(best)[:, None], 1.0)
+        want = verify_tree(p, tokens, parents, None, torch.Generator().manual_seed(trial))
+        assert verify_greedy(best, tokens, parents) == want
+        if parents == list(range(-1, n - 1)) and n:
+            acc, bonus = verify(p[None], None, torch.tensor([tokens]), torch.Generator().manual_seed(trial))
+            assert want == (list(range(int(acc[0]))), int(bonus[0]))
+    with pytest.raises(ValueError):
+        verify_greedy([1, 2], [3, 4], [-1, 0])

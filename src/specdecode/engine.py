@@ -17,11 +17,12 @@ from .drafters import DRAFT_WINDOW, Draft, Drafter, DraftModel, PromptLookup
 from .errors import SpecDecodeError
 from .kv import LM, as_lm
 from .lookup import Datastore, History, Lookup, tokenizer_fingerprint
+from .methods import METHOD_TABLE, DraftRequest, get_method, method_names
 from .sampling import SamplingParams, probs_from_logits
 from .tree import TreeDrafter, TreeState, draft_model_can_pay
-from .verify import verify, verify_tree
+from .verify import verify, verify_greedy, verify_tree
 
-METHODS = ("auto", "autoregressive", "draft", "lookup", "pld", "tree")
+METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
 
 
@@ -205,13 +206,16 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
         # the ONE target pass over the last committed token (the root) and every drafted token
         root = len(target)
         logits = target.forward([ids[-1]] + draft.tokens, parents=[root - 1] + [root + a + 1 for a in draft.tree_parents])
-        p = probs_from_logits(logits, params)  # [n+1, V]
-        if draft.parents is None:  # a chain: the batched rule
+        if params.greedy and draft.q is None:  # one-hot p and q: the rule reduces to following the argmax
+            path, bonus = verify_greedy(logits.argmax(-1).tolist(), draft.tokens, draft.tree_parents)
+        elif draft.parents is None:  # a chain: the batched rule
+            p = probs_from_logits(logits, params)  # [n+1, V]
             q = None if draft.q is None else draft.q[None]
             accepted, bonus = verify(p[None], q, torch.tensor([draft.tokens], dtype=torch.long), generator)
             path, bonus = list(range(int(accepted[0]))), int(bonus[0])
         else:
-            path, bonus = verify_tree(p, draft.tokens, draft.parents, draft.q, generator)
+            path, bonus = verify_tree(probs_from_logits(logits, params), draft.tokens, draft.parents, draft.q,
+                                      generator)
         # keep ids + the accepted branch; the new last token stays uncached
         target.rollback(len(ids), [root + 1 + i for i in path])
         if drafter is not None and g > 0:
@@ -410,7 +414,9 @@ class Engine:
                             tree_nodes=tree_nodes)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
-        drafter = self._drafter(method, gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens)
+        m = METHOD_TABLE[method]
+        request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens)
+        drafter = m.make_drafter(self, request)
         # a stop string that is a special token never shows in the decoded text: stop on its id
         added = self.tokenizer.get_added_vocab()
         stop_ids = {added[s] for s in stops if s in added}
@@ -419,20 +425,17 @@ class Engine:
             generator.seed()  # nondeterministic, and leaves torch's global RNG alone
         else:
             generator.manual_seed(seed)
-        stats = Stats(method=method, gamma=gamma if method in ("draft", "pld") else 0, prompt_tokens=len(prompt_ids))
+        stats = Stats(method=method, gamma=gamma if m.uses_gamma else 0, prompt_tokens=len(prompt_ids))
         depth_cap = gamma  # what one step may draft: a chain's length; a tree drafter's own depth cap
-        if method in ("tree", "auto", "lookup"):
+        if m.planned:
             depth_cap = drafter.max_depth
+        if m.uses_cost_model:
             stats.plain_step_s = self.costs.t(1, len(prompt_ids))
-        if method == "auto":
-            stats.tree = {"draft_model": drafter.model is not None}
-        if method == "tree":
-            stats.tree = {"width": drafter.width, "depth": drafter.max_depth, "nodes": drafter.max_nodes,
-                          "chosen_by_cost_model": [k for k, v in (("width", tree_width), ("depth", tree_depth),
-                                                                   ("nodes", tree_nodes)) if v is None]}
-        if method in ("auto", "lookup", "tree") and drafter.lookup is not None:
+        if m.shape is not None:
+            stats.tree = m.shape(self, drafter, request)
+        if m.uses_lookup_sources and drafter.lookup is not None:
             stats.lookup_sources = drafter.lookup.sources
-        elif method == "pld":
+        elif m.prompt_lookup:
             stats.lookup_sources = ["context"]
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
@@ -459,8 +462,7 @@ class Engine:
         """The request's arguments, checked without models (front ends call it before loading them):
         SpecDecodeError with a message for the first bad one. Returns the sampling settings."""
         params = SamplingParams(temperature, top_k, top_p)
-        if method not in METHODS:
-            raise SpecDecodeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        m = get_method(method)  # SpecDecodeError naming the choices
         for name, value in (("gamma", gamma), ("max_new_tokens", max_new_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
@@ -470,42 +472,52 @@ class Engine:
         for name, value in (("tree_width", tree_width), ("tree_depth", tree_depth), ("tree_nodes", tree_nodes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
-            if value is not None and method != "tree":
-                raise SpecDecodeError(f"{name} applies to method 'tree' only (method is {method!r})")
+            if value is not None and not m.tree_options:
+                takes = " or ".join(repr(n) for n, t in METHOD_TABLE.items() if t.tree_options)
+                raise SpecDecodeError(f"{name} applies to method {takes} only (method is {method!r})")
         return params
 
     def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None,
                  max_new_tokens: int | None = None):
-        """The drafter of one generation (arguments already checked by `check`)."""
-        if method == "autoregressive":
-            return None
-        # every generation plans with a fresh TreeState (what the planner learns about acceptance): a
-        # tree's shape, and so in bf16 the rounding of its target pass and the side a near-tie falls
-        # on, never depends on what this Engine generated before
-        if method == "lookup":  # lookup guesses only, planned on the measured costs: no draft model
-            return TreeDrafter(None, lookup=self._lookup(), costs=self.tree_costs(), state=TreeState(),
-                               chains_only=bool(self._tree_error(None)))  # a model that cannot run trees: one chain
-        if method == "auto":
-            costs = self.tree_costs()
-            model = self.draft_model if self.draft_model is not None and draft_model_can_pay(
-                costs, window=self.draft_model.view_window) else None
-            state = TreeState()
-            # the first steps run without the draft model, so that its measured rate is compared with a
-            # measured rate of the steps without it (tree.TreeDrafter._learn_rate), not with a model of it
-            state.plain_left = AUTO_PROBE_STEPS if model is not None else 0
-            state.measure = True
-            # lazy: the draft reads the text only when a step runs it, and a step runs it only when the
-            # seconds it should save before max_new_tokens pay for that reading (tree.TreeDrafter._model_pays)
-            return TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup(), lazy=True,
-                               remaining=max_new_tokens, chains_only=bool(self._tree_error(model)))
-        if method == "tree":
-            error = self._tree_error(self.draft_model)
-            if error:  # before any model work
-                raise SpecDecodeError(error)
-            return TreeDrafter(self.draft_model, pld=True, width=width, depth=depth, nodes=nodes,
-                               costs=self.tree_costs(), state=TreeState(), lookup=self._lookup())
-        if method == "pld":
-            return PromptLookup()
+        """The drafter of one generation (arguments already checked by `check`): built as the method
+        table says (methods.METHOD_TABLE); None for plain decoding."""
+        return METHOD_TABLE[method].make_drafter(self, DraftRequest(gamma, params, width, depth, nodes, max_new_tokens))
+
+    # the drafters of the built-in methods (methods.METHOD_TABLE names them). Every generation plans with
+    # a fresh TreeState (what the planner learns about acceptance): a tree's shape, and so in bf16 the
+    # rounding of its target pass and the side a near-tie falls on, never depends on what this Engine
+    # generated before
+    def _lookup_drafter(self, request: DraftRequest):
+        """lookup guesses only, planned on the measured costs: no draft model"""
+        return TreeDrafter(None, lookup=self._lookup(), costs=self.tree_costs(), state=TreeState(),
+                           chains_only=bool(self._tree_error(None)))  # a model that cannot run trees: one chain
+
+    def _auto_drafter(self, request: DraftRequest):
+        costs = self.tree_costs()
+        model = self.draft_model if self.draft_model is not None and draft_model_can_pay(
+            costs, window=self.draft_model.view_window) else None
+        state = TreeState()
+        # the first steps run without the draft model, so that its measured rate is compared with a
+        # measured rate of the steps without it (tree.TreeDrafter._learn_rate), not with a model of it
+        state.plain_left = AUTO_PROBE_STEPS if model is not None else 0
+        state.measure = True
+        # lazy: the draft reads the text only when a step runs it, and a step runs it only when the
+        # seconds it should save before max_new_tokens pay for that reading (tree.TreeDrafter._model_pays)
+        return TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup(), lazy=True,
+                           remaining=request.max_new_tokens, chains_only=bool(self._tree_error(model)))
+
+    def _tree_drafter(self, request: DraftRequest):
+        error = self._tree_error(self.draft_model)
+        if error:  # before any model work
+            raise SpecDecodeError(error)
+        return TreeDrafter(self.draft_model, pld=True, width=request.tree_width, depth=request.tree_depth,
+                           nodes=request.tree_nodes, costs=self.tree_costs(), state=TreeState(),
+                           lookup=self._lookup())
+
+    def _pld_drafter(self, request: DraftRequest):
+        return PromptLookup()
+
+    def _draft_drafter(self, request: DraftRequest):
         if self.draft_model is None:
             raise SpecDecodeError("method 'draft' needs a draft model (pass --draft / draft=...)")
         return self.draft_model
