@@ -87,9 +87,11 @@ class LlamaLM:
 
     backend = "llama.cpp"
 
-    def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None, exact: bool = False):
+    def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None, exact: bool = False,
+                 flash_attn: int | None = None):
         """exact: keys and values in F32 and flash attention off (slower): logits then no longer depend on
-        where in the cache a token's entry sits, so rollbacks can be checked to ~1e-6 (certify does)."""
+        where in the cache a token's entry sits, so rollbacks can be checked to ~1e-6 (certify does).
+        flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: llama.cpp's own, auto)."""
         lc = self._lc = _lib()
         self.path = Path(path)
         if not self.path.is_file():
@@ -114,6 +116,8 @@ class LlamaLM:
         cparams.kv_unified = True  # one KV buffer that all sequences share: a tree shares its trunk
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.no_perf = True
+        if flash_attn is not None:
+            cparams.flash_attn_type = flash_attn
         if exact:
             cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
             cparams.type_k = cparams.type_v = lc.GGML_TYPE_F32
