@@ -261,7 +261,7 @@ def code_requests(rng, tree: ast.Module, source: str) -> list[str]:
             "else. Return the whole file.",
             "Add a short comment above every function in the following Python file that says what it does, and "
             "a module docstring if it has none. Return the whole updated file."]
-    public = sorted({f.name for f in funcs if not f.name.startswith("__")})
+    public = sorted({f.name for f in funcs if not f.name.startswith("__") and len(f.name.strip("_")) >= 3})
     if public:
         old = rng.choice(public)
         new = next(n for n in (f"{old.lstrip('_')}_impl", f"do_{old.lstrip('_')}", f"{old}_v2")
