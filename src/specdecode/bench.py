@@ -15,9 +15,16 @@ from tqdm.auto import tqdm
 from .engine import METHODS, Engine
 from .lookup import History
 from .errors import SpecDecodeError
+from .methods import BASELINE, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 
 PEERS = ("hf-assisted", "llama.cpp", "llama.cpp-pld")  # other tools' decoders, measured in the same run
+DRAFT_PEERS = ("hf-assisted",)  # the peers that run our draft model
 BENCH_METHODS = (*METHODS, *PEERS)
+
+
+def _is(m: str, need: str) -> bool:
+    """Whether method m (a name in the method table; a peer never) has the table's flag `need`."""
+    return m in METHOD_TABLE and bool(getattr(METHOD_TABLE[m], need))
 
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[dict]:
@@ -61,21 +68,28 @@ def parse_methods(text: str) -> list[str]:
     bad = [m for m in methods if m not in BENCH_METHODS]
     if bad or not methods:
         raise SpecDecodeError(f"unknown method(s) {', '.join(bad) or '(none)'}; choose from {', '.join(BENCH_METHODS)}")
-    if "autoregressive" not in methods:
-        methods.insert(0, "autoregressive")  # the baseline every speedup is measured against
+    if BASELINE not in methods:
+        methods.insert(0, BASELINE)  # the baseline every speedup is measured against
     return methods
 
 
 def default_methods(engine: Engine) -> list[str]:
-    methods = ["autoregressive", "auto", "pld"] + (["draft"] if engine.draft_model is not None else [])
+    methods = [m for m in in_default_run("bench_default")  # the method table's default run
+               if engine.draft_model is not None or METHOD_TABLE[m].needs_draft_model != REQUIRED]
     if engine.backend == "llama.cpp":
         return methods + ["llama.cpp", "llama.cpp-pld"]
     return methods + (["hf-assisted"] if engine.draft_model is not None else [])
 
 
+def needs_draft_model(methods: list[str]) -> bool:
+    """Whether a bench of these methods loads the draft model (some method or peer uses one)."""
+    return wants_draft_model(methods) or bool(set(DRAFT_PEERS) & set(methods))
+
+
 def check_methods(engine: Engine, methods: list[str]) -> None:
-    if engine.draft_model is None and {"draft", "hf-assisted"} & set(methods):
-        raise SpecDecodeError("methods draft and hf-assisted need a draft model (--draft)")
+    required = [m for m in METHODS if METHOD_TABLE[m].needs_draft_model == REQUIRED] + list(DRAFT_PEERS)
+    if engine.draft_model is None and set(required) & set(methods):
+        raise SpecDecodeError(f"methods {' and '.join(required)} need a draft model (--draft)")
     if "hf-assisted" in methods and engine.backend != "torch":
         raise SpecDecodeError("the hf-assisted peer runs on the torch backend (--backend torch)")
     if {"llama.cpp", "llama.cpp-pld"} & set(methods) and engine.backend != "llama.cpp":
@@ -256,7 +270,7 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
                 "tree_depth": None, "expected_tokens": None, "planned_passes": None, "modelled_s": None,
                 "strategies": None, "sources": None}
     g = engine.generate(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed, **(tree or {} if method == "tree" else {}))
+                        temperature=temperature, seed=seed, **(tree or {} if _is(method, "tree_options") else {}))
     s = g.stats
     return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s, "sources": s.sources,
             "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,
@@ -300,8 +314,8 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
     def speeds(m, cat=None) -> dict:
         """Overall and decode speed, TTFT and the ratios against autoregressive and the llama.cpp peer."""
         t, d = tps(m, cat), dtps(m, cat)
-        return {"tokens_per_second": t, "speedup": ratio(t, tps("autoregressive", cat)),
-                "decode_tokens_per_second": d, "decode_speedup": ratio(d, dtps("autoregressive", cat)),
+        return {"tokens_per_second": t, "speedup": ratio(t, tps(BASELINE, cat)),
+                "decode_tokens_per_second": d, "decode_speedup": ratio(d, dtps(BASELINE, cat)),
                 "ttft_s": mean_ttft(m, cat),
                 "vs_llama_cpp": {"overall": ratio(t, tps(peer, cat)), "decode": ratio(d, dtps(peer, cat))}
                 if peer else None}
@@ -318,9 +332,9 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
                 steps += r["modelled_s"] / plain
         return expected / steps if steps else None
 
-    ar_step = (total("autoregressive", "verify_s") / total("autoregressive", "target_forwards")
-               if total("autoregressive", "target_forwards") else None)
-    ar_ids = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == "autoregressive"}
+    ar_step = (total(BASELINE, "verify_s") / total(BASELINE, "target_forwards")
+               if total(BASELINE, "target_forwards") else None)
+    ar_ids = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == BASELINE}
     out = {}
     for m in methods:
         mine = [r for r in rows if r["method"] == m]
@@ -332,7 +346,7 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
             fwd = total(m, "target_forwards")
             res["mean_accepted_tokens"] = total(m, "new_tokens") / fwd
             res["verify_cost_ratio"] = total(m, "verify_s") / fwd / ar_step if ar_step else None
-        if m in ("tree", "auto", "lookup") and total(m, "target_forwards"):
+        if _is(m, "planned") and total(m, "target_forwards"):
             fwd = total(m, "target_forwards")
             res["nodes_per_pass"] = total(m, "drafted") / fwd
             res["depth_per_pass"] = total(m, "tree_depth") / fwd
@@ -343,7 +357,7 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
             for r in mine:
                 for k, v in (r["strategies"] or {}).items():
                     res["strategies"][k] = res["strategies"].get(k, 0) + v
-        if m not in PEERS and m != "autoregressive" and total(m, "target_forwards") and ar_step:
+        if _is(m, "drafts") and total(m, "target_forwards") and ar_step:
             # what the drafter costs per target pass, in plain steps (c of a step, whatever it drafted)
             res["draft_cost_per_pass"] = total(m, "draft_s") / total(m, "target_forwards") / ar_step
         if any(r.get("sources") for r in mine):
@@ -365,11 +379,11 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
                 wall = sum(r["wall_s"] for r in rt)
                 res["by_turn"][t] = {"tokens_per_second": sum(r["new_tokens"] for r in rt) / wall if wall else None,
                                      "mean_accepted_tokens": sum(r["new_tokens"] for r in rt) / fwd if fwd else None}
-        if m in ("draft", "pld", "tree", "auto", "lookup") and total(m, "drafted"):
+        if _is(m, "drafts") and total(m, "drafted"):
             acc, drafted = total(m, "accepted"), total(m, "drafted")
             res["acceptance_rate"] = acc / drafted
             # a tree's α and bound would need its branching: the chain formulas apply to chains only
-            chain = m in ("draft", "pld")
+            chain = _is(m, "chain")
             res["alpha"] = alpha = alpha_from_counts(acc, total(m, "rejections")) if chain else None
             res["draft_cost_ratio"] = c = (total(m, "draft_s") / drafted / ar_step) if ar_step and chain else None
             # the tokens actually drafted per pass: prompt lookup often finds fewer than gamma, or none
@@ -384,7 +398,7 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
                 sum((r["accepted_per_position"] or [0] * width)[i] for r in mine if len(r["drafted_per_position"] or []) > i)
                 / max(1, sum(r["drafted_per_position"][i] for r in mine if len(r["drafted_per_position"] or []) > i))
                 for i in range(width)]
-        if greedy and m != "autoregressive":
+        if greedy and m != BASELINE:
             res["greedy_agreement"] = sum(r["token_ids"] == ar_ids.get(r["prompt_id"]) for r in mine) / len(mine)
         cats = sorted({r["category"] for r in mine if r["category"]})
         if cats:
@@ -394,7 +408,7 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
                 if m not in PEERS:
                     fwd = total(m, "target_forwards", cat)
                     bc["mean_accepted_tokens"] = total(m, "new_tokens", cat) / fwd if fwd else None
-                if m in ("tree", "auto", "lookup") and total(m, "target_forwards", cat):
+                if _is(m, "planned") and total(m, "target_forwards", cat):
                     planned = total(m, "planned_passes", cat)
                     bc["expected_tokens_per_pass"] = total(m, "expected_tokens", cat) / planned if planned else None
                     bc["predicted_speedup"] = predicted(m, cat)

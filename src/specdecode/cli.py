@@ -16,14 +16,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .engine import METHODS
+    from .bench import PEERS
+    from .methods import BASELINE, DEFAULT_METHOD, help_text, in_default_run, method_names
+    methods = method_names()
     parser = _Parser(prog="specdecode", description="Lossless speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text from a prompt (streamed), then print stats")
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    g.add_argument("--method", choices=METHODS, default="auto",
-                   help="auto (default): the cost model picks plain decoding, lookup, a chain or a tree each step")
+    g.add_argument("--method", choices=methods, default=DEFAULT_METHOD, help=help_text())
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
     _tree_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -47,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", required=True, help="JSONL file: 'prompt' (completion) or 'turns' (chat) per line")
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     b.add_argument("--methods", default=None,
-                   help="comma-separated: auto,autoregressive,draft,lookup,pld,tree,hf-assisted (torch),"
-                        "llama.cpp,llama.cpp-pld (llama.cpp peers; default: auto,autoregressive,draft,pld and "
+                   help=f"comma-separated: {','.join(methods)},{PEERS[0]} (torch),{','.join(PEERS[1:])} "
+                        f"(llama.cpp peers; default: {','.join(sorted(in_default_run('bench_default')))} and "
                         "the backend's peers)")
     b.add_argument("--gamma", type=int, default=4, help="draft tokens per pass of the chain methods")
     _tree_args(b)
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--method", choices=METHODS, default="auto", help="default speculation (per request: "
+    s.add_argument("--method", choices=methods, default=DEFAULT_METHOD, help="default speculation (per request: "
                                                                        "'speculation': {'method', 'gamma'})")
     s.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
     s.add_argument("--target", default=None, help="as for generate (default: qwen2.5-coder-1.5b-instruct)")
@@ -94,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(KV rollback, the verifier on real p/q rows, greedy agreement)")
     c.add_argument("--target", default=None, help="as for generate (default: the default pair)")
     c.add_argument("--draft", default=None, help="as for generate")
-    c.add_argument("--methods", default="draft,pld,tree,auto", help="comma-separated methods to check against "
-                                                                   "plain decoding (default: draft,pld,tree,auto)")
+    checked = ",".join(in_default_run("certify_default"))
+    c.add_argument("--methods", default=checked, help="comma-separated methods to check against plain decoding "
+                                                      f"(default: {checked}; any but {BASELINE})")
     c.add_argument("--draws", type=int, default=10 ** 6, help="verifier draws per prompt and setting (default 10^6)")
     c.add_argument("--max-new-tokens", type=int, default=48, help="tokens per greedy comparison (default 48)")
     c.add_argument("--seed", type=int, default=0)
@@ -110,19 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
 def certify(args) -> int:
     from . import certify as cert
     from .bench import cpu_description
-    from .engine import METHODS, Engine
+    from .engine import Engine
+    from .methods import METHOD_TABLE, REQUIRED, names_where
+    drafting = names_where(drafts=True)  # every method but plain decoding, the yardstick
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS or m == "autoregressive"]
+    bad = [m for m in methods if m not in drafting]
     if bad or not methods:
         raise SpecDecodeError(f"unknown method(s) {', '.join(bad) or '(none)'} for certify; choose from "
-                              f"{', '.join(m for m in METHODS if m != 'autoregressive')}")
+                              f"{', '.join(drafting)}")
     if args.draws < 1000 or args.max_new_tokens <= 0:
         raise SpecDecodeError("--draws must be at least 1000 and --max-new-tokens positive")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, progress=not args.json)
     if engine.draft_model is None:
-        methods = [m for m in methods if m != "draft"]
+        methods = [m for m in methods if METHOD_TABLE[m].needs_draft_model != REQUIRED]
     report = cert.certify(engine, methods=methods, draws=args.draws, max_new_tokens=args.max_new_tokens,
                           seed=args.seed, progress=not args.json)
     report["cpu"] = cpu_description()
@@ -192,22 +196,26 @@ def _tree_kwargs(args) -> dict:
 
 
 def bench(args) -> None:
-    from .bench import check_methods, default_methods, load_prompts, parse_methods, report, run_bench, write_outputs
+    from .bench import (check_methods, default_methods, load_prompts, needs_draft_model, parse_methods, report,
+                        run_bench, write_outputs)
     from .engine import Engine
+    from .methods import DEFAULT_METHOD, names_where
     methods = parse_methods(args.methods) if args.methods else None
     if args.limit is not None and args.limit <= 0:
         raise SpecDecodeError(f"--limit must be positive, got {args.limit}")
     prompts = load_prompts(args.prompts, args.limit, all_turns=args.all_turns)
     tree = _tree_kwargs(args)
     # the Engine's own checks, before the models load (a bad value would otherwise stop the run minutes in)
-    Engine.check(method="tree" if tree else "auto", gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+    shaped = names_where(tree_options=True)  # the methods that take the tree's dimensions
+    Engine.check(method=shaped[0] if tree else DEFAULT_METHOD, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, **tree)
-    if tree and methods is not None and "tree" not in methods:
-        raise SpecDecodeError("--tree-width/--tree-depth/--tree-nodes apply to method tree, which is not benchmarked")
+    if tree and methods is not None and not set(shaped) & set(methods):
+        raise SpecDecodeError(f"--tree-width/--tree-depth/--tree-nodes apply to method {' or '.join(shaped)}, "
+                              "which is not benchmarked")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore,
-                         history_tokens=args.history_tokens, with_draft=methods is None or bool({"draft", "hf-assisted", "tree", "auto"} & set(methods)))
+                         history_tokens=args.history_tokens, with_draft=methods is None or needs_draft_model(methods))
     if methods is None:
         methods = default_methods(engine)
     check_methods(engine, methods)
@@ -221,11 +229,12 @@ def generate(args) -> None:
     """The Engine checks the arguments (SpecDecodeError: exit 2 with its message). The sampling settings are
     checked by the Engine's own SamplingParams before the model load, which can take a minute."""
     from .engine import Engine
+    from .methods import wants_draft_model
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     Engine.check(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **_tree_kwargs(args))
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, with_draft=args.method in ("draft", "tree", "auto"), progress=not args.json,
+                         threads=args.threads, with_draft=wants_draft_model([args.method]), progress=not args.json,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,

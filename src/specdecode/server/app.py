@@ -28,6 +28,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import SpecDecodeError
+from ..methods import METHOD_TABLE, REQUIRED, get_method, uses_cost_model, wants_draft_model
 from . import protocol as p
 from .protocol import APIError
 from .scheduler import Disconnected, Job, Metrics, QueueFull, Worker
@@ -148,7 +149,7 @@ class Service:
     def _open_stream(self, prompt, kwargs):
         # Opening a stream reads only the tokenizer, except that the methods that plan on the cost model measure
         # the pass costs on first use (once per machine): that runs the models, so it waits for the worker.
-        if kwargs["method"] in ("tree", "auto", "lookup") and getattr(self.engine, "costs", None) is None:
+        if uses_cost_model(kwargs["method"]) and getattr(self.engine, "costs", None) is None:
             with self.worker.lock:
                 return self.engine.stream(prompt, **kwargs)
         return self.engine.stream(prompt, **kwargs)
@@ -326,8 +327,8 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     """
     from ..engine import Engine
     Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
-    if method == "draft" and engine.draft_model is None:
-        raise SpecDecodeError("method 'draft' needs a draft model (--draft); or use --method pld / autoregressive")
+    if METHOD_TABLE[method].needs_draft_model == REQUIRED and engine.draft_model is None:
+        raise SpecDecodeError(f"method {method!r} needs a draft model (--draft); or use --method pld / autoregressive")
     if gamma > p.MAX_GAMMA:
         raise SpecDecodeError(f"gamma must be an integer in 1..{p.MAX_GAMMA} (this server's limit), got {gamma!r}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
@@ -431,17 +432,18 @@ def serve(args) -> None:
         raise SpecDecodeError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if not 1 <= args.gamma <= p.MAX_GAMMA:
         raise SpecDecodeError(f"--gamma must be in 1..{p.MAX_GAMMA} (this server's limit), got {args.gamma}")
-    if args.method == "draft" and args.target is not None and args.draft is None:
-        raise SpecDecodeError("method 'draft' needs a draft model (--draft); or use --method pld / autoregressive")
+    if get_method(args.method).needs_draft_model == REQUIRED and args.target is not None and args.draft is None:
+        raise SpecDecodeError(f"method {args.method!r} needs a draft model (--draft); or use --method pld / "
+                              "autoregressive")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
     if args.api_key is not None and not args.api_key:
         raise SpecDecodeError("--api-key must not be empty")
     model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, with_draft=args.method in ("draft", "tree", "auto") or args.draft is not None,
+                         threads=args.threads, with_draft=wants_draft_model([args.method]) or args.draft is not None,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore, history_tokens=args.history_tokens)
-    if args.method in ("tree", "auto", "lookup"):
+    if uses_cost_model(args.method):
         engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import METHODS
 from ..errors import SpecDecodeError
+from ..methods import help_text
 
 MAX_GAMMA = 32  # draft tokens per target pass a request may ask for (a server's limit; the Engine has none)
 MAX_TREE = 256  # tree width / nodes per pass a request may ask for (likewise)
@@ -34,10 +35,7 @@ OMIT = dict(default=None, exclude_if=_omit_none)  # an optional field that is le
 class Speculation(BaseModel):
     """specdecode extension: how to speculate for this request (defaults: the server's)."""
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: Literal[METHODS] | None = Field(
-        None, description="autoregressive (no speculation), draft (draft model), pld (prompt lookup), tree (a token "
-                          "tree from the draft model and prompt lookup, shaped by a cost model) or auto (the cost "
-                          "model picks per step)")
+    method: Literal[METHODS] | None = Field(None, description=help_text())
     gamma: int | None = Field(None, le=MAX_GAMMA, description="draft tokens per target forward pass (chains)")
     tree_width: int | None = Field(None, le=MAX_TREE, description="tree: children per node (default: cost model)")
     tree_depth: int | None = Field(None, le=MAX_GAMMA, description="tree: depth (default: cost model)")
