@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .errors import SpecDecodeError
+from .methods import BASELINE
 from .sampling import SamplingParams, probs_from_logits, sample
 from .verify import verify
 
@@ -230,7 +231,7 @@ def certify(engine, *, methods: list[str], prompts: list[str] | None = None, set
             report["verifier"].append({"prompt": prompt[:40], "temperature": params.temperature, "top_k": params.top_k,
                                        "top_p": params.top_p, **r})
             bar.update(1)
-        plain = engine.generate(prompt, method="autoregressive", max_new_tokens=max_new_tokens).token_ids
+        plain = engine.generate(prompt, method=BASELINE, max_new_tokens=max_new_tokens).token_ids
         bar.update(1)
         for m in methods:
             report["greedy"].append({"prompt": prompt[:40], **check_greedy(engine, prompt, m, max_new_tokens, plain)})
