@@ -14,7 +14,7 @@ from specdecode import SamplingParams, Stats, speculative_decode
 from specdecode.sampling import sample
 from specdecode.verify import verify as real_verify
 from specdecode.costs import CostModel
-from specdecode.models import BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.backends import BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET
 
 GREEDY = SamplingParams()
 TreeVerifier = Callable[..., tuple]

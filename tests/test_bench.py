@@ -340,5 +340,5 @@ def test_longprompt_devset_generator(tmp_path, capsys):
     gen.main(["--site-packages", str(site), "--per-category", "2", "--seed", "3", "--out", str(again)])
     assert again.read_text() == out.read_text()
     # the default output goes to the specdecode cache (SPECDECODE_CACHE in the tests)
-    from specdecode.models import cache_dir
+    from specdecode.backends import cache_dir
     assert gen.default_out() == cache_dir() / "devset" / "longprompt.jsonl"

@@ -42,7 +42,7 @@ def test_a_wrong_verifier_fails_the_certificate(tiny_dirs, capsys, monkeypatch):
 
 
 def test_a_broken_rollback_fails_the_certificate(tiny_dirs, capsys, monkeypatch):
-    from specdecode.kv import CachedLM
+    from specdecode.backends import CachedLM
     real = CachedLM.rollback
 
     def sloppy(self, length, path=()):  # keeps the branch's tokens but not at their places

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import DEFAULT_PAIR_MARKS
-from specdecode.models import cache_dir
+from specdecode.backends import cache_dir
 
 pytestmark = DEFAULT_PAIR_MARKS
 USER_CACHE = str(cache_dir())  # read before the per-test cache isolation of conftest
@@ -24,7 +24,7 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 def engine(request):
     from conftest import DEFAULT_THREADS
     from specdecode import Engine
-    from specdecode.llamacpp import available
+    from specdecode.backends.llamacpp import available
     if request.param == "llama.cpp" and not available():
         pytest.skip("llama-cpp-python is not installed (CI installs it)")
     os.environ["SPECDECODE_CACHE"] = USER_CACHE

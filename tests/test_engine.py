@@ -4,7 +4,7 @@ import torch
 
 from specdecode import Engine, SamplingParams, SpecDecodeError, Stats, speculative_decode
 from specdecode.drafters import DraftModel, PromptLookup
-from specdecode.kv import CachedLM
+from specdecode.backends import CachedLM
 from helpers import GREEDY, run
 from tiny import byte_tokenizer, tiny_model, tiny_sliding_model
 

@@ -54,7 +54,7 @@ from transformers.cache_utils import Cache
 import specdecode.engine as engine_mod
 from specdecode import Engine, SamplingParams
 from specdecode.costs import CostModel
-from specdecode.kv import CachedLM
+from specdecode.backends import CachedLM
 from specdecode.sampling import probs_from_logits
 from specdecode.tree import TreeDrafter, draft_model_can_pay
 from specdecode.verify import verify as real_verify
@@ -275,7 +275,7 @@ FRSPEC_KEEP = [0, 1, 2, 3, 4]
 
 def _lookup_sources(engine, monkeypatch, tmp_dir):
     """A datastore of random text over the tiny vocabulary (continuations branch) and an output history."""
-    from specdecode.lookup import History, build_datastore, tokenizer_fingerprint
+    from specdecode.drafters import History, build_datastore, tokenizer_fingerprint
     rng = random.Random(5)
     docs = [[rng.randrange(V) for _ in range(rng.randint(5, 60))] for _ in range(60)]
     build_datastore(docs, tmp_dir / "ds", tokenizer_fingerprint(engine.tokenizer), vocab_size=V, progress=False)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from specdecode import Engine, SpecDecodeError
-from specdecode.lookup import build_datastore, tokenizer_fingerprint
+from specdecode.drafters import build_datastore, tokenizer_fingerprint
 from helpers import CHEAP
 from tiny import byte_tokenizer, tiny_model
 
@@ -63,9 +63,10 @@ def test_draft_vocab_errors(tmp_path, tiny_dirs):
 
 
 def test_llama_draft_cannot_be_truncated():
+    from specdecode.backends import LM
     from specdecode.drafters import DraftModel
 
-    class FakeLM:  # an LM without an HF model behind it (as llama.cpp's)
+    class FakeLM(LM):  # an LM with the protocol's defaults: no HF model behind it (as llama.cpp's)
         vocab_size, max_length = 10, 100
 
         def forward(self, *a, **k):
@@ -79,7 +80,7 @@ def test_llama_draft_cannot_be_truncated():
 
 
 def test_datastore_frequencies(tmp_path):
-    from specdecode.lookup import Datastore
+    from specdecode.drafters import Datastore
     build_datastore([[1, 2, 2, 3, 3, 3], [3, 4]], tmp_path / "ds", "fp", vocab_size=6, progress=False)
     ds = Datastore(tmp_path / "ds", "fp")
     assert ds.frequencies().tolist() == [0, 1, 2, 4, 1, 0]

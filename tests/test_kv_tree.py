@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.kv import CachedLM
+from specdecode.backends import CachedLM
 from helpers import BRANCHES, SHAPES, path_of, random_tokens, random_tree  # noqa: F401
 from tiny import tiny_model, tiny_sliding_model
 

@@ -38,9 +38,9 @@ import specdecode.engine as engine_mod  # noqa: E402
 import tinygguf  # noqa: E402
 from specdecode import Engine, SamplingParams, SpecDecodeError  # noqa: E402
 from specdecode.cli import main  # noqa: E402
-from specdecode.kv import CachedLM  # noqa: E402
-from specdecode.llamacpp import LlamaLM  # noqa: E402
-from specdecode.models import cache_dir, load_lm, resolve_backend  # noqa: E402
+from specdecode.backends import CachedLM  # noqa: E402
+from specdecode.backends.llamacpp import LlamaLM  # noqa: E402
+from specdecode.backends import cache_dir, load_lm, resolve_backend  # noqa: E402
 from specdecode.sampling import probs_from_logits  # noqa: E402
 from helpers import (BRANCHES, CHEAP, EXPENSIVE, SHAPES, accept_everything, gof_pvalue, no_residual_update,  # noqa: E402
                      path_of, random_tokens, random_tree, residual_is_p)
@@ -590,7 +590,7 @@ def near_engine(files, module_cache):
 @pytest.fixture(scope="module")
 def exact_engine(files, module_cache):
     """The near pair on contexts with F32 keys/values and no flash attention (Engine wraps loaded LMs)."""
-    from specdecode.models import gguf_tokenizer
+    from specdecode.backends import gguf_tokenizer
     tok = gguf_tokenizer(files.target, progress=False)
     return Engine(exact_lm(files.target), tok, exact_lm(files.near), gguf_tokenizer(files.near, progress=False))
 
@@ -892,7 +892,7 @@ def test_small_context_gguf_is_not_a_crash(files, tmp_path):
     small = write_tiny_gguf(tmp_path / "ctx128.gguf", 0, ctx=128)
     script = textwrap.dedent(f"""
         from specdecode.errors import SpecDecodeError
-        from specdecode.llamacpp import LlamaLM
+        from specdecode.backends.llamacpp import LlamaLM
         try:
             lm = LlamaLM({str(small)!r}, threads=1)
             print("loaded", lm.max_length, lm.forward([1, 2, 3]).shape[0])

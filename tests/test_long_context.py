@@ -15,7 +15,7 @@ from helpers import CHEAP, GREEDY, run
 from specdecode import Engine, SamplingParams
 from specdecode.costs import CostModel, load_or_measure, measure
 from specdecode.drafters import DraftModel
-from specdecode.kv import CachedLM
+from specdecode.backends import CachedLM
 from specdecode.planner import TreeState, best_cut, draft_model_can_pay
 from specdecode.tree import TreeDrafter
 from tiny import byte_tokenizer, tiny_model
@@ -109,7 +109,7 @@ def test_load_or_measure_times_long_contexts_and_refuses_an_old_format(monkeypat
                for _, c, s in calls if c != costs_mod.CONTEXT)
     n = len(calls)
     assert load_or_measure(target, draft, progress=False).target_at == costs.target_at and len(calls) == n  # cached
-    from specdecode.models import cache_dir
+    from specdecode.backends import cache_dir
     (path,) = (cache_dir() / "costs").glob("*.json")
     raw = json.loads(path.read_text())
     del raw["format"]  # a table of the older format (made monotone, one context): measured again

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from specdecode import Engine, SpecDecodeError
-from specdecode.lookup import (SEP, Datastore, History, Lookup, NgramIndex, build_datastore, continuation_tree,
-                               index_files, tokenizer_fingerprint)
+from specdecode.drafters import (Datastore, History, Lookup, NgramIndex, build_datastore, index_files,
+                                  tokenizer_fingerprint)
+from specdecode.drafters.lookup import continuation_tree
+from specdecode.drafters.sources import SEP
 from helpers import CHEAP
 from tiny import byte_tokenizer, tiny_model
 

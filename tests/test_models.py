@@ -6,7 +6,7 @@ import pytest
 
 from helpers import needs_default_pair
 from specdecode.errors import SpecDecodeError
-from specdecode.models import BUILTIN, DEFAULT_DRAFT, ChunkedGGUF, assemble, cache_dir, converted, load_model
+from specdecode.backends import BUILTIN, DEFAULT_DRAFT, ChunkedGGUF, assemble, cache_dir, converted, load_model
 
 
 def test_cache_dir_override(monkeypatch, tmp_path):

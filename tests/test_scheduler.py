@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from specdecode.engine import Generation, Stats
+from specdecode.stats import Generation, Stats
 from specdecode.errors import SpecDecodeError
 from specdecode.server.scheduler import Disconnected, End, Job, Metrics, QueueFull, Worker
 

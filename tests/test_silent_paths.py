@@ -22,10 +22,9 @@ from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import specdecode.engine as engine_mod
-from specdecode import Engine, SpecDecodeError
+from specdecode import Engine, SpecDecodeError, Stats
 from specdecode.drafters import DraftModel
-from specdecode.kv import CachedLM
+from specdecode.backends import CachedLM
 from helpers import CHEAP, run
 from tiny import byte_tokenizer, tiny_model, tiny_sliding_model
 
@@ -177,13 +176,13 @@ def step_clock(monkeypatch):
 def _trace(monkeypatch):
     """Every target pass's draft (tokens and parents), as the engine records it."""
     passes = []
-    record = engine_mod.Stats.record
+    record = Stats.record
 
     def logged(self, draft, *args, **kwargs):
         passes.append((tuple(draft.tokens), None if draft.parents is None else tuple(draft.parents)))
         return record(self, draft, *args, **kwargs)
 
-    monkeypatch.setattr(engine_mod.Stats, "record", logged)
+    monkeypatch.setattr(Stats, "record", logged)
     return passes
 
 
@@ -285,7 +284,7 @@ def test_eos_in_the_middle_of_a_pass_cuts_the_stats():
 
 def test_stop_cut_across_passes_and_a_tree():
     """Stats.truncate on its own: a cut that drops whole passes, and tree passes (accepted by depth)."""
-    stats = engine_mod.Stats()
+    stats = Stats()
     from specdecode.drafters import Draft
     tree = Draft([1, 2, 3, 4], None, parents=[-1, -1, 0, 2])  # depth 3
     stats.record(tree, 3, 4)  # emits 4: depth 1, 2, 3 accepted + bonus

@@ -1,11 +1,12 @@
-"""The seams: the LM and Drafter protocols, and a package without import cycles (imports inside
-functions included)."""
+"""The seams: the LM and Drafter protocols, backends behind the LM interface, and a package without
+import cycles (imports inside functions included) or oversized modules."""
 import ast
+import re
 from pathlib import Path
 
 import specdecode
 from specdecode.drafters import Drafter, DraftModel, PromptLookup
-from specdecode.kv import LM, CachedLM
+from specdecode.backends import LM, CachedLM
 from specdecode.tree import TreeDrafter
 from tiny import tiny_model
 from tinygguf import write_tiny_gguf
@@ -14,10 +15,53 @@ SRC = Path(specdecode.__file__).parent
 
 
 def test_backends_implement_the_lm_protocol(tmp_path):
-    from specdecode.llamacpp import LlamaLM
+    from specdecode.backends.llamacpp import LlamaLM
     assert isinstance(CachedLM(tiny_model(0)), LM)
     assert isinstance(LlamaLM(write_tiny_gguf(tmp_path / "t.gguf", 0)), LM)
-    assert not isinstance(tiny_model(0), LM)  # an HF model is wrapped (kv.as_lm), not used as one
+    assert not isinstance(tiny_model(0), LM)  # an HF model is wrapped (backends.as_lm), not used as one
+
+
+def test_what_differs_between_backends_is_a_member_of_the_lm(tmp_path):
+    """Everything outside backends/ reads these instead of asking which backend it holds."""
+    from specdecode.backends.llamacpp import MAX_SEQ, LlamaLM
+    path = write_tiny_gguf(tmp_path / "t.gguf", 0)
+    torch_lm, llama_lm = CachedLM(tiny_model(0)), LlamaLM(path, threads=1)
+    assert torch_lm.tree_error() is None and llama_lm.tree_error() is None
+    assert torch_lm.max_tree_nodes is None and llama_lm.max_tree_nodes == MAX_SEQ - 1 == 255
+    assert torch_lm.gguf_path is None and llama_lm.gguf_path == path
+    assert torch_lm.hf_model is torch_lm.model and llama_lm.hf_model is None
+    assert torch_lm.quant_info is None and llama_lm.quant_info is None
+    assert isinstance(torch_lm.threads, int) and llama_lm.threads == 1
+    assert torch_lm.output_truncation_error() is None and "torch backend" in llama_lm.output_truncation_error()
+    assert torch_lm.tolerances() == {"rollback": 1e-3, "tie": 1e-3}  # fp32
+    assert llama_lm.tolerances()["tie"] == 0.5
+    assert torch_lm.exact_copy(64) is torch_lm
+    exact = llama_lm.exact_copy(64)
+    assert isinstance(exact, LlamaLM) and exact is not llama_lm and exact.gguf_path == path
+
+
+# outside backends/: no question of which backend an LM is (`backend` is a label for reports only)
+ASKS_BACKEND = re.compile(r"backend\s*[!=]=|isinstance\([^)]*\b(LlamaLM|CachedLM)\b")
+BACKEND_MODULES = {"specdecode.backends.llamacpp", "specdecode.backends.torch_lm"}
+
+
+def test_nothing_outside_backends_asks_which_backend_it_holds():
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC)
+        if rel.parts[0] == "backends":
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            assert not ASKS_BACKEND.search(line), f"{rel}:{lineno} asks which backend it holds: {line.strip()}"
+        imports = _module_imports(path)
+        assert not imports & BACKEND_MODULES, f"{rel} imports a backend directly: {imports & BACKEND_MODULES}"
+        if rel != Path("engine.py"):  # Engine.load loads models; everything else gets LMs
+            assert "specdecode.backends.loading" not in imports, f"{rel} imports backends.loading"
+
+
+def test_no_module_over_400_lines():
+    for path in SRC.rglob("*.py"):
+        n = len(path.read_text().splitlines())
+        assert n <= 400, f"{path.relative_to(SRC)} has {n} lines; split it (issue 20)"
 
 
 def test_drafters_implement_the_drafter_protocol():
@@ -81,7 +125,9 @@ def test_no_import_cycles():
     for m in graph:
         if m not in state:
             visit(m, [])
-    assert "specdecode.tree" not in graph["specdecode.drafters"]  # a chain is a plain loop of draft passes
+    for m in graph:
+        if m.startswith("specdecode.drafters"):  # a chain is a plain loop of draft passes
+            assert "specdecode.tree" not in graph[m], m
     assert graph["specdecode.engine"] >= {"specdecode.tree", "specdecode.drafters", "specdecode.verify"}
-    assert "specdecode.models" in graph["specdecode.engine"]  # imported only inside Engine.load: read too
-    assert graph["specdecode.machine"] == set()  # the leaf that costs, models and llamacpp share
+    assert "specdecode.backends.loading" in graph["specdecode.engine"]  # imported only inside Engine.load: read too
+    assert graph["specdecode.machine"] == set()  # the leaf that costs, loading and llamacpp share

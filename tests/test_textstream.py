@@ -11,7 +11,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specdecode.engine import Engine, Stats, TextStream
+from specdecode import Engine, Stats
+from specdecode.textstream import TextStream
 from tiny import byte_tokenizer
 
 TEXT = ("Hello world: naïve café, ünïcödé — 日本語のテキスト 🙂👍🏽 and 😀 again.\n"

@@ -19,7 +19,7 @@ import specdecode.engine as engine_mod
 from specdecode import SamplingParams, SpecDecodeError, Stats, speculative_decode
 from specdecode.costs import Calibration, CostModel, load_or_measure, measure
 from specdecode.drafters import DraftModel
-from specdecode.kv import CachedLM
+from specdecode.backends import CachedLM
 from specdecode.sampling import probs_from_logits
 from specdecode.tree import MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeDrafter
 from helpers import CHEAP, EXPENSIVE, no_residual_update, run  # run: the loop driven on token ids
@@ -330,7 +330,7 @@ def test_measure_works_for_a_small_vocabulary(models):
 
 
 def test_load_or_measure_caches_as_json(wide_models, monkeypatch):
-    from specdecode.models import cache_dir
+    from specdecode.backends import cache_dir
     target, draft = CachedLM(wide_models[0]), CachedLM(wide_models[1])
     calls = []
     real = costs_mod.measure
@@ -367,7 +367,7 @@ def test_load_or_measure_caches_as_json(wide_models, monkeypatch):
 
 
 def test_load_or_measure_keys_the_file_by_models(wide_models, monkeypatch):
-    from specdecode.models import cache_dir
+    from specdecode.backends import cache_dir
     calls = []
     monkeypatch.setattr(costs_mod, "measure", lambda lm, sizes, **kw: calls.append(lm) or {n: 0.01 * n for n in sizes})
     target, draft = CachedLM(wide_models[0]), CachedLM(wide_models[1])
@@ -383,7 +383,7 @@ def test_load_or_measure_keys_the_file_by_models(wide_models, monkeypatch):
 
 @pytest.mark.parametrize("damage", [{"target": [1, 2]}, {"target": {}}, {"target": {"1": "fast"}}], ids=repr)
 def test_load_or_measure_remeasures_a_malformed_table(wide_models, monkeypatch, damage):
-    from specdecode.models import cache_dir
+    from specdecode.backends import cache_dir
     target = CachedLM(wide_models[0])
     monkeypatch.setattr(costs_mod, "measure", lambda lm, sizes, **kw: {n: 0.01 * n for n in sizes})
     load_or_measure(target, None, progress=False)

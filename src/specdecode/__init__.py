@@ -1,7 +1,8 @@
 """specdecode: lossless speculative decoding for Hugging Face causal language models."""
-from .engine import METHODS, Engine, Generation, Stats, speculative_decode
+from .engine import METHODS, Engine, speculative_decode
 from .errors import SpecDecodeError
 from .sampling import SamplingParams, probs_from_logits
+from .stats import Generation, Stats
 from .verify import verify
 
 __all__ = ["Engine", "Generation", "Stats", "METHODS", "SpecDecodeError", "SamplingParams",

@@ -41,14 +41,9 @@ MAX_SUPPORT = 4096  # the verifier check runs on the union of p's and q's suppor
 
 
 def tolerances(lm) -> dict:
-    """(rollback tolerance, greedy near-tie bound) for an LM, by backend and dtype."""
-    if lm.backend == "llama.cpp":
-        # rollback: checked on an exact context (F32 keys/values, no flash attention; see certify()).
-        # Greedy: a 4+ token pass moves a logit by up to ~0.5 on quantized models.
-        return {"rollback": 1e-3, "tie": 0.5}
-    if lm.dtype in (torch.bfloat16, torch.float16):
-        return {"rollback": 0.25, "tie": 0.25}
-    return {"rollback": 1e-3, "tie": 1e-3}
+    """(rollback tolerance, greedy near-tie bound) for an LM: the size of its kernels' rounding
+    differences (LM.tolerances: by backend and dtype)."""
+    return lm.tolerances()
 
 
 def _filler(lm) -> int:
@@ -202,12 +197,9 @@ def certify(engine, *, methods: list[str], prompts: list[str] | None = None, set
     probe = engine.encode(prompts[0])
     drafted = engine.target.forward(probe, last_only=True)[-1].topk(5).indices.tolist()
     for name, lm in lms:
-        if lm.backend == "llama.cpp":
-            # F16 keys/values under flash attention round by where an entry sits in the cache, and a
-            # quantized 28-layer model turns that into ~0.4 in a logit; an F32, no-flash context of the
-            # same file isolates the bookkeeping (the engine's own context is the default one)
-            from .llamacpp import LlamaLM
-            lm = LlamaLM(lm.path, n_ctx=min(lm.max_length, 2048), threads=lm.threads, exact=True)
+        # an LM whose logits do not depend on where an entry sits in the cache (llama.cpp: an F32, no-flash
+        # context of the same file), so that the check sees the cache bookkeeping, not the kernels' rounding
+        lm = lm.exact_copy(min(lm.max_length, 2048))
         for r in check_rollback(lm, probe, drafted):
             report["rollback"].append({"model": name, **r})
         bar.update(1)

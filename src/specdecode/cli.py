@@ -16,15 +16,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import PEERS
-    from .methods import BASELINE, DEFAULT_METHOD, help_text, in_default_run, method_names
-    methods = method_names()
     parser = _Parser(prog="specdecode", description="Lossless speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_generate_parser, _bench_parser, _serve_parser, _index_parser, _certify_parser):
+        add(sub)
+    return parser
+
+
+def _generate_parser(sub) -> None:
+    """`specdecode generate`"""
+    from .methods import DEFAULT_METHOD, help_text, method_names
     g = sub.add_parser("generate", help="generate text from a prompt (streamed), then print stats")
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    g.add_argument("--method", choices=methods, default=DEFAULT_METHOD, help=help_text())
+    g.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=help_text())
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
     _tree_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -44,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     _lookup_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
 
+
+def _bench_parser(sub) -> None:
+    """`specdecode bench`"""
+    from .bench import PEERS
+    from .methods import in_default_run, method_names
+    methods = method_names()
     b = sub.add_parser("bench", help="benchmark methods against plain decoding (and HF assisted generation)")
     b.add_argument("--prompts", required=True, help="JSONL file: 'prompt' (completion) or 'turns' (chat) per line")
     b.add_argument("--limit", type=int, default=None, help="use the first N prompts")
@@ -66,10 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "as one conversation per prompt")
     b.add_argument("--out", default="bench-out", help="directory for results.json, report.md, *.png")
 
+
+def _serve_parser(sub) -> None:
+    """`specdecode serve`"""
+    from .methods import DEFAULT_METHOD, method_names
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--method", choices=methods, default=DEFAULT_METHOD, help="default speculation (per request: "
+    s.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help="default speculation (per request: "
                                                                        "'speculation': {'method', 'gamma'})")
     s.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
     s.add_argument("--target", default=None, help="as for generate (default: qwen2.5-coder-1.5b-instruct)")
@@ -85,12 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "more get 503 with Retry-After (default 16)")
     s.add_argument("--timeout", type=float, default=300.0, help="longest a request may take, in seconds "
                                                                 "(default 300)")
+
+
+def _index_parser(sub) -> None:
+    """`specdecode index`"""
     i = sub.add_parser("index", help="build a datastore from your files for the lookup drafter (--datastore DIR)")
     i.add_argument("paths", nargs="+", metavar="PATH", help="files, and directories searched for text files")
     i.add_argument("--out", required=True, help="directory for the datastore")
     i.add_argument("--target", default=None, help="the model whose tokenizer to use (default: the default target)")
     i.add_argument("--suffixes", default=None, help="comma-separated file suffixes to take from directories "
                                                     "(default: common code and text files, e.g. .py,.md,.txt)")
+
+
+def _certify_parser(sub) -> None:
+    """`specdecode certify`"""
+    from .methods import BASELINE, in_default_run
     c = sub.add_parser("certify", help="certify on your own model pair and machine that speculation here is lossless "
                                         "(KV rollback, the verifier on real p/q rows, greedy agreement)")
     c.add_argument("--target", default=None, help="as for generate (default: the default pair)")
@@ -106,7 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     _backend_args(c)
     c.add_argument("--json", action="store_true", help="print the certificate as JSON")
     c.add_argument("--out", default=None, help="directory for certificate.json and certificate.md")
-    return parser
 
 
 def certify(args) -> int:
@@ -142,7 +165,7 @@ def certify(args) -> int:
 
 def _backend_args(parser) -> None:
     from .drafters import DRAFT_WINDOW
-    from .models import BACKENDS
+    from .backends import BACKENDS
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto (default): GGUF models on the CPU run on llama.cpp, the rest on torch")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
@@ -170,8 +193,8 @@ def _lookup_args(parser, history: bool = False, history_default: int = 1_000_000
 
 
 def index(args) -> None:
-    from .lookup import TEXT_SUFFIXES, index_files
-    from .models import DEFAULT_TARGET, load_tokenizer
+    from .backends import DEFAULT_TARGET, load_tokenizer
+    from .drafters.datastore import TEXT_SUFFIXES, index_files
     suffixes = TEXT_SUFFIXES
     if args.suffixes is not None:
         suffixes = tuple("." + x.strip().lstrip(".").lower() for x in args.suffixes.split(",") if x.strip())

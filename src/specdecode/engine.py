@@ -1,4 +1,4 @@
-"""The speculative decoding loop: draft -> verify -> accept -> roll back.
+"""The speculative decoding loop (draft -> verify -> accept -> roll back) and its facade, the Engine.
 
 Cache convention (both models): the cache holds every committed token except the last one, which
 goes into the next target pass together with the draft, so the target scores gamma draft tokens
@@ -8,169 +8,23 @@ empty draft, so every speedup is measured against the same code path.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 import torch
 
-from .drafters import DRAFT_WINDOW, Draft, Drafter, DraftModel, PromptLookup
+from .backends import LM, as_lm
+from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, History, Lookup, PromptLookup,
+                       check_compatible, tokenizer_fingerprint)
 from .errors import SpecDecodeError
-from .kv import LM, as_lm
-from .lookup import Datastore, History, Lookup, tokenizer_fingerprint
 from .methods import METHOD_TABLE, DraftRequest, get_method, method_names
 from .sampling import SamplingParams, probs_from_logits
+from .stats import Generation, Stats
+from .textstream import TextStream
 from .tree import TreeDrafter, TreeState, draft_model_can_pay
 from .verify import verify, verify_greedy, verify_tree
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
-
-
-@dataclass
-class Stats:
-    """Counters of one generation. target_forwards counts verify passes (the prefill is not one)."""
-    method: str = "autoregressive"
-    gamma: int = 0
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    target_forwards: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rejections: int = 0  # passes where a draft token was rejected (the rest were all accepted)
-    accepted_per_position: list[int] = field(default_factory=list)  # passes that accepted a token at depth i+1
-    drafted_per_position: list[int] = field(default_factory=list)  # passes that drafted to depth i+1 or deeper
-    tree: dict | None = None  # the tree method's shape: caps, and which dimensions the cost model chose
-    tree_depth: int = 0  # summed over passes (a chain's depth is its length)
-    expected_tokens: float = 0.0  # the drafter's expected tokens per pass, summed over passes that had one
-    planned_passes: int = 0
-    modelled_s: float = 0.0  # the cost model's seconds for those passes (drafting + verification)
-    plain_step_s: float | None = None  # the cost model's seconds of one plain decoding step (at the contexts
-    # of the planned passes, weighted by their expected tokens)
-    strategies: dict = field(default_factory=dict)  # target passes by what ran: plain, lookup, draft, tree
-    sources: dict = field(default_factory=dict)  # source -> {"drafted": n, "accepted": n}: draft, context, history, datastore
-    lookup_sources: list = field(default_factory=list)  # the lookup sources this generation drew from
-    wall_s: float = 0.0
-    prefill_s: float = 0.0
-    ttft_s: float | None = None  # seconds from the start of the stream to the first emitted token (prefill included)
-    first_tokens: int = 0  # tokens the first step emitted (they arrive at ttft_s: not part of decoding)
-    draft_s: float = 0.0
-    catchup_s: float = 0.0  # of draft_s: the draft model reading text it had not seen (prompt, skipped steps)
-    verify_s: float = 0.0
-    finish_reason: str | None = None  # "eos" | "stop" | "length"
-
-    def __post_init__(self):
-        # per target pass: [tokens it emitted, how many of them were accepted draft tokens (its first ones),
-        # the sources of those]; not a field, so not in as_dict: what truncate() needs to take back
-        # tokens cut at a stop string
-        self._passes: list[list] = []
-        self._plain_weighted = 0.0  # sum over planned passes of expected tokens x the plain step's seconds there
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def mean_accepted_tokens(self) -> float | None:
-        """Tokens emitted per target forward, bonus included (tau)."""
-        return self.new_tokens / self.target_forwards if self.target_forwards else None
-
-    @property
-    def tokens_per_second(self) -> float | None:
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else None
-
-    @property
-    def decode_tokens_per_second(self) -> float | None:
-        """Tokens after the first step's, per second after it: decoding speed without the prefill."""
-        if self.ttft_s is None or self.new_tokens <= self.first_tokens or self.wall_s <= self.ttft_s:
-            return None
-        return (self.new_tokens - self.first_tokens) / (self.wall_s - self.ttft_s)
-
-    @property
-    def mean_tree_nodes(self) -> float | None:
-        """Draft tokens verified per target pass (for a chain: its length)."""
-        return self.drafted / self.target_forwards if self.target_forwards else None
-
-    @property
-    def expected_tokens_per_pass(self) -> float | None:
-        return self.expected_tokens / self.planned_passes if self.planned_passes else None
-
-    @property
-    def predicted_speedup(self) -> float | None:
-        """What the cost model predicted against plain decoding: (expected tokens / modelled seconds)
-        x the modelled seconds of one plain step."""
-        if not self.modelled_s or not self.plain_step_s:
-            return None
-        return self.expected_tokens / self.modelled_s * self.plain_step_s
-
-    def record(self, draft: Draft, accepted: int, emitted: int | None = None, path: list[int] | None = None) -> None:
-        """One target pass over `draft`: `accepted` draft tokens were accepted (and emitted): the nodes
-        path[:accepted] (default: the first ones, a chain), and it emitted `emitted` tokens in all
-        (default: those plus one of the target's own)."""
-        sources = draft.sources or ["draft" if draft.q is not None else "context"] * len(draft.tokens)
-        path = list(range(accepted)) if path is None else path[:accepted]
-        for s in sources:
-            self.sources.setdefault(s, {"drafted": 0, "accepted": 0})["drafted"] += 1
-        for i in path:
-            self.sources[sources[i]]["accepted"] += 1
-        self._passes.append([accepted + 1 if emitted is None else emitted, accepted, [sources[i] for i in path]])
-        self.target_forwards += 1
-        self.drafted += len(draft.tokens)
-        self.accepted += accepted
-        depth = draft.depth
-        self.tree_depth += depth
-        self.rejections += accepted < depth
-        if draft.expected is not None:
-            self.expected_tokens += draft.expected
-            self.planned_passes += 1
-            self.modelled_s += draft.modelled_s or 0.0
-            if draft.plain_s:
-                self._plain_weighted += draft.expected * draft.plain_s
-                self.plain_step_s = self._plain_weighted / self.expected_tokens
-        self.catchup_s += draft.catchup_s
-        strategy = draft.strategy or ("plain" if not draft.tokens else "tree" if draft.parents is not None
-                                      else "draft")
-        self.strategies[strategy] = self.strategies.get(strategy, 0) + 1
-        grow = depth - len(self.drafted_per_position)
-        if grow > 0:
-            self.drafted_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
-        for i in range(depth):
-            self.drafted_per_position[i] += 1
-            self.accepted_per_position[i] += i < accepted
-
-    def truncate(self, new_tokens: int) -> None:
-        """The output was cut to its first new_tokens tokens (a stop string ended it): accepted draft
-        tokens past the cut were never emitted, so they no longer count as accepted (in `accepted` and
-        `accepted_per_position`). Drafted tokens and target passes stay: they were verified."""
-        start = 0
-        for p in self._passes:
-            emitted, accepted, sources = p
-            kept = min(accepted, max(0, new_tokens - start))  # accepted draft tokens come first in a pass
-            for i in range(kept, accepted):
-                self.accepted_per_position[i] -= 1
-                self.sources[sources[i]]["accepted"] -= 1
-            self.accepted -= accepted - kept
-            p[:] = [min(emitted, max(0, new_tokens - start)), kept, sources[:kept]]
-            start += emitted
-        self.new_tokens = new_tokens
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
-                 tokens_per_second=self.tokens_per_second, decode_tokens_per_second=self.decode_tokens_per_second,
-                 mean_tree_nodes=self.mean_tree_nodes,
-                 expected_tokens_per_pass=self.expected_tokens_per_pass, predicted_speedup=self.predicted_speedup)
-        return d
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]
-    stats: Stats
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.as_dict()}
 
 
 def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
@@ -183,6 +37,7 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
         raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
                               f"{target.max_length}, so no token can be generated")
     target.reset()
+    target.reserve(len(prompt_ids) + max_new_tokens)
     if drafter is not None:
         drafter.reset()
     ids = list(prompt_ids)
@@ -206,16 +61,7 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
         # the ONE target pass over the last committed token (the root) and every drafted token
         root = len(target)
         logits = target.forward([ids[-1]] + draft.tokens, parents=[root - 1] + [root + a + 1 for a in draft.tree_parents])
-        if params.greedy and draft.q is None:  # one-hot p and q: the rule reduces to following the argmax
-            path, bonus = verify_greedy(logits.argmax(-1).tolist(), draft.tokens, draft.tree_parents)
-        elif draft.parents is None:  # a chain: the batched rule
-            p = probs_from_logits(logits, params)  # [n+1, V]
-            q = None if draft.q is None else draft.q[None]
-            accepted, bonus = verify(p[None], q, torch.tensor([draft.tokens], dtype=torch.long), generator)
-            path, bonus = list(range(int(accepted[0]))), int(bonus[0])
-        else:
-            path, bonus = verify_tree(probs_from_logits(logits, params), draft.tokens, draft.parents, draft.q,
-                                      generator)
+        path, bonus = _verdict(logits, draft, params, generator)
         # keep ids + the accepted branch; the new last token stays uncached
         target.rollback(len(ids), [root + 1 + i for i in path])
         if drafter is not None and g > 0:
@@ -236,6 +82,20 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
         yield new
         if stats.finish_reason:
             return
+
+
+def _verdict(logits: torch.Tensor, draft: Draft, params: SamplingParams,
+             generator: torch.Generator | None) -> tuple[list[int], int]:
+    """The target's verdict on a draft, from its logits after the root and each drafted node: the accepted
+    nodes (a branch, root side first) and the token that follows them (a correction or the bonus)."""
+    if params.greedy and draft.q is None:  # one-hot p and q: the rule reduces to following the argmax
+        return verify_greedy(logits.argmax(-1).tolist(), draft.tokens, draft.tree_parents)
+    if draft.parents is None:  # a chain: the batched rule
+        p = probs_from_logits(logits, params)  # [n+1, V]
+        q = None if draft.q is None else draft.q[None]
+        accepted, bonus = verify(p[None], q, torch.tensor([draft.tokens], dtype=torch.long), generator)
+        return list(range(int(accepted[0]))), int(bonus[0])
+    return verify_tree(probs_from_logits(logits, params), draft.tokens, draft.parents, draft.q, generator)
 
 
 class Engine:
@@ -264,7 +124,7 @@ class Engine:
     def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None, *,
                  history_tokens: int = 0, datastore: str | None = None, draft_window: int | None = DRAFT_WINDOW):
         self.tokenizer = tokenizer
-        self.target = as_lm(target_model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
+        self.target = as_lm(target_model)  # an HF model (wrapped as a CachedLM) or an LM such as a LlamaLM
         self.vocab_size = self.target.vocab_size
         self.draft_model = None
         if draft_model is not None:
@@ -318,7 +178,7 @@ class Engine:
         draft_vocab (torch): truncate the draft's output layer to this many most frequent tokens of
         draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab. draft_window: the
         draft model sees only about the last this many tokens (None: the whole text), see DraftModel."""
-        from .models import DEFAULT_DRAFT, DEFAULT_TARGET, load_lm, resolve_backend
+        from .backends.loading import DEFAULT_DRAFT, DEFAULT_TARGET, check_draft_vocab, load_draft_lm, load_lm
         if target is None:
             target = DEFAULT_TARGET
             draft = draft or DEFAULT_DRAFT
@@ -327,9 +187,8 @@ class Engine:
         if draft_vocab is not None:  # before loading anything
             if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab <= 0:
                 raise SpecDecodeError(f"draft_vocab must be a positive integer, got {draft_vocab!r}")
-            if draft and resolve_backend(backend, draft, device) != "torch":
-                raise SpecDecodeError("--draft-vocab (a truncated draft output layer) needs the torch backend "
-                                      "(--backend torch): llama.cpp computes the whole output layer in its graph")
+            if draft:
+                check_draft_vocab(draft, backend, device)
             if draft_vocab_from is None and datastore is None:
                 raise SpecDecodeError("--draft-vocab needs token frequencies: --draft-vocab-from DIR (a datastore "
                                       "built by `specdecode index`) or --datastore DIR")
@@ -337,8 +196,8 @@ class Engine:
                                             threads=threads)
         d_model = d_tok = None
         if with_draft and draft:
-            d_model, d_tok, d_backend = load_lm(draft, backend, dtype=dtype, device=device, progress=progress,
-                                                threads=threads, quant=draft_quant if backend != "torch" else None)
+            d_model, d_tok, d_backend = load_draft_lm(draft, backend, dtype=dtype, device=device, progress=progress,
+                                                      threads=threads, quant=draft_quant)
         engine = cls(t_model, t_tok, d_model, d_tok, history_tokens=history_tokens, datastore=datastore,
                      draft_window=draft_window)
         engine.progress = progress
@@ -523,108 +382,9 @@ class Engine:
         return self.draft_model
 
     def _tree_error(self, draft_model) -> str | None:
-        """Why the target or this draft model cannot run token trees (None: both can; an LM without
-        tree_error, such as llama.cpp's, always can)."""
+        """Why the target or this draft model cannot run token trees (None: both can)."""
         for lm in (self.target, draft_model.lm if draft_model is not None else None):
-            error = getattr(lm, "tree_error", lambda: None)() if lm is not None else None
+            error = lm.tree_error() if lm is not None else None
             if error:
                 return error
         return None
-
-
-class TextStream:
-    """Turns committed token ids into text deltas; applies stop strings; times the generation.
-
-    Detokenization is incremental, linear in the output length, for any tokenizer with `decode`: each
-    step decodes only a window, the tokens whose text was last added (context, for tokenizers whose text
-    for a token depends on its neighbours, such as SentencePiece's leading space or byte-level
-    characters) plus the new ones, and appends what the new ones add. Tokens whose text is not complete
-    (a UTF-8 character split across tokens decodes to U+FFFD) stay in the window until it is. Stop
-    strings are searched only near the end of the text: a tail that could start one is never sent, so
-    none can begin in text sent earlier.
-    """
-
-    def __init__(self, engine: Engine, steps: Iterator[list[int]], stats: Stats, stops: list[str]):
-        self.engine, self.steps, self.stats, self.stops = engine, steps, stats, stops
-        self.result: Generation | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        decode, stats = self.engine.decode, self.stats
-        ids: list[int] = []
-        text = ""  # the text of ids[:read], then the whole characters of ids[read:] so far (`pending` of them)
-        context = read = pending = 0  # ids[context:read]: the tokens whose text was added last
-        sent = ""
-        t0 = time.perf_counter()
-        try:
-            for new in self.steps:
-                if stats.ttft_s is None:
-                    stats.ttft_s, stats.first_tokens = time.perf_counter() - t0, len(new)
-                ids += new
-                before, after = decode(ids[context:read]), decode(ids[context:])
-                whole = len(after)
-                while whole and after[whole - 1] == "\ufffd":  # a character still missing some of its bytes
-                    whole -= 1
-                added = after[len(before) + pending:whole]
-                text += added
-                pending += len(added)
-                if whole == len(after) > len(before):  # every token's text is complete: slide the window
-                    context, read, pending = read, len(ids), 0
-                cut = self._find_stop(text, len(sent))
-                if cut is not None:
-                    text = text[:cut]
-                    ids = _shortest_prefix_with_stop(ids, decode, self.stops)
-                    stats.truncate(len(ids))  # draft tokens cut off with the stop's tail were not emitted
-                    stats.finish_reason = "stop"
-                    safe = len(text)
-                else:
-                    safe = self._safe_length(text)
-                if safe > len(sent):
-                    delta = text[len(sent):safe]
-                    sent += delta
-                    yield delta
-                if cut is not None:
-                    break
-        finally:
-            self.steps.close()  # frees the loop if the consumer stops early
-            stats.wall_s = time.perf_counter() - t0
-        text = decode(ids) if stats.finish_reason != "stop" else sent
-        if len(text) > len(sent) and text.startswith(sent):
-            yield text[len(sent):]
-        self.result = Generation(text, ids, stats)
-
-    def _find_stop(self, text: str, sent: int) -> int | None:
-        """Where the first stop string starts; one can start only in the text not sent yet (or reach into it)."""
-        start = max(0, sent - max((len(s) for s in self.stops), default=0))
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _safe_length(self, text: str) -> int:
-        """Hold back any tail that could start a stop string (text holds only whole characters). Only the
-        last sum(len(stop)) characters can be held back, so only they are looked at."""
-        base = max(0, len(text) - sum(len(s) for s in self.stops) - 1)
-        tail = text[base:]
-        end = len(tail)
-        for s in self.stops:
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if tail[:end].endswith(s[:k]):
-                    end -= k
-                    break
-        return base + end
-
-
-def _shortest_prefix_with_stop(ids: list[int], decode, stops: list[str]) -> list[int]:
-    k = len(ids)
-    while k > 1 and any(s in decode(ids[:k - 1]) for s in stops):
-        k -= 1
-    return ids[:k]
-
-
-def check_compatible(target_tok, draft_tok) -> None:
-    """Speculation needs one token space: the same id must mean the same string in both models."""
-    if target_tok is draft_tok:
-        return
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    if tv != dv:
-        diff = len(set(tv.items()) ^ set(dv.items()))
-        raise SpecDecodeError(f"draft and target tokenizers differ ({len(dv)} vs {len(tv)} tokens, "
-                              f"{diff} entries disagree); speculative decoding needs the same vocabulary")

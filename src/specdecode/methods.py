@@ -2,7 +2,7 @@
 
 The Engine (validation, building the drafter, filling in Stats), the CLI, the server and the bench read
 this table instead of naming methods. Adding a method is one `Method` entry in METHOD_TABLE plus its
-drafter (a `Drafter`, see drafters.py) and the function that builds it.
+drafter (a `Drafter`, see drafters/base.py) and the function that builds it.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Method:
 
     needs_draft_model: REQUIRED (an error without one), OPTIONAL (used when loaded), NO (never loaded for it).
     uses_cost_model: its drafter plans on the measured pass costs (costs.py; measured on first use).
-    uses_lookup_sources: it drafts from the lookup sources (lookup.py: context, history, datastore).
+    uses_lookup_sources: it drafts from the lookup sources (drafters/lookup.py: context, history, datastore).
     prompt_lookup: it drafts from the prompt's own text only (its stats name the "context" source).
     uses_gamma: gamma sets how many tokens a step drafts (Stats.gamma); other methods ignore it.
     tree_options: it takes tree_width / tree_depth / tree_nodes.

@@ -30,7 +30,7 @@ import torch
 from .calibration import lookup_feature
 from .costs import CostModel
 from .drafters import Draft
-from .lookup import Guess, Lookup
+from .drafters.lookup import Guess, Lookup
 from .planner import (AUTO_MARGIN, MASS_COVER, MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeState, best_cut,  # noqa: F401
                       chain_speedup, draft_model_can_pay, frontier_width, pays)
 from .sampling import SamplingParams, probs_from_logits, sample

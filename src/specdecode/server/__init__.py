@@ -2,9 +2,10 @@
 
     specdecode serve --method draft --gamma 4            # http://127.0.0.1:8000/v1
 
-Three parts: `protocol` (request and response models: the wire format, and how bad input becomes an
+Four parts: `protocol` (request and response models: the wire format, and how bad input becomes an
 OpenAI-style error), `scheduler` (the one worker thread, its bounded FIFO queue, cancellation and
-deadlines; no HTTP) and `app` (the FastAPI routes, and `serve`).
+deadlines; no HTTP), `service` (what the routes do: a request opened as an Engine stream, queued, and its
+events turned into a response) and `app` (the FastAPI app, its routes and middleware, and `serve`).
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream false or true;
 streams are server-sent events in OpenAI's chunk format ending with `data: [DONE]`), GET /health,

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .errors import SpecDecodeError
-from .machine import cache_dir  # noqa: F401  (re-exported: specdecode.models.cache_dir)
+from ..errors import SpecDecodeError
+from ..machine import cache_dir  # noqa: F401  (re-exported: specdecode.backends.cache_dir)
+from .torch_lm import CachedLM
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,26 @@ def resolve_backend(backend: str | None, spec: str, device: str | None = None) -
 DRAFT_QUANT_CHOICES = ("auto", "none", "Q4_0", "Q8_0")
 
 
+def as_lm(model):
+    """A model with a KV cache behind the LM interface: LMs pass through, HF models get a CachedLM."""
+    return model if hasattr(model, "rollback") and hasattr(model, "forward") and hasattr(model, "vocab_size") \
+        and not hasattr(model, "parameters") else CachedLM(model)
+
+
+def check_draft_vocab(spec: str, backend: str | None, device: str | None = None) -> None:
+    """Before loading: SpecDecodeError where the draft `spec` would run on a backend whose output layer
+    cannot be truncated (FR-Spec's --draft-vocab)."""
+    if resolve_backend(backend, spec, device) != "torch":
+        raise SpecDecodeError("--draft-vocab (a truncated draft output layer) needs the torch backend "
+                              "(--backend torch): llama.cpp computes the whole output layer in its graph")
+
+
+def load_draft_lm(spec: str, backend: str | None = None, *, quant: str | None = "auto", **kwargs):
+    """load_lm for a draft model: `quant` (the draft's requantization) applies unless the torch backend
+    was asked for."""
+    return load_lm(spec, backend, quant=quant if backend != "torch" else None, **kwargs)
+
+
 def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, device: str | None = None,
             progress: bool = True, threads: int | None = None, quant: str | None = None):
     """(model, tokenizer, backend): on torch an HF model; on llama.cpp a llamacpp.LlamaLM that reads
@@ -120,10 +141,10 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
     tokenizer = gguf_tokenizer(gguf, progress)
     info = None
     if quant == "auto":
-        from .llamacpp import fastest_draft
+        from .quantize import fastest_draft
         gguf, info = fastest_draft(gguf, threads, progress)
     elif quant not in (None, "none"):
-        from .llamacpp import requantize
+        from .quantize import requantize
         gguf, info = requantize(gguf, quant, threads), {"chosen": quant}
     lm = LlamaLM(gguf, threads=threads)
     lm.quant_info = info

@@ -1,67 +1,15 @@
-"""Drafters propose tokens; they never touch the target.
-
-`propose(ids, gamma, params, generator)` returns a Draft that continues `ids`: a chain, or a token
-tree (tree.py), with the distribution each token was drawn from (q=None: every token was chosen
-deterministically, a one-hot q). `prefill(ids)` lets a drafter with a cache read the prompt up
-front (timed as prefill, not drafting); `commit(length, path, bonus)` tells it that ids[:length],
-the drafted nodes `path` (the accepted branch) and then the token `bonus` are what now stands.
+"""The draft model: a small causal LM with the target's tokenizer and its own KV cache. As a drafter it
+proposes a chain of gamma tokens; the tree drafter (tree.TreeDrafter) grows trees with its root and expand
+passes. It sees a window of the text (DRAFT_WINDOW), and its output layer may be truncated (FR-Spec).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
-
-import numpy as np
 import torch
 
-from .errors import SpecDecodeError
-from .kv import as_lm
-from .sampling import SamplingParams, probs_from_logits, sample
-
-
-@dataclass
-class Draft:
-    tokens: list[int]  # [n] proposed ids (empty = nothing to propose)
-    q: torch.Tensor | None  # [n, V] the distribution each token was drawn from; None = one-hot (deterministic)
-    parents: list[int] | None = None  # [n] parent node of each token (-1 = the last committed token); None = chain
-    expected: float | None = None  # the drafter's estimate of tokens this pass will emit, bonus included
-    modelled_s: float | None = None  # the cost model's seconds for this step (drafting + the target pass)
-    strategy: str | None = None  # what this step ran: plain, lookup, draft (a chain), tree
-    sources: list[str] | None = None  # [n] where each token came from: draft, context, history, datastore
-    plain_s: float | None = None  # the cost model's seconds of one plain step at this context
-    catchup_s: float = 0.0  # wall seconds the drafter spent reading text it had not seen (in the step's time)
-
-    @property
-    def tree_parents(self) -> list[int]:
-        return list(range(-1, len(self.tokens) - 1)) if self.parents is None else self.parents
-
-    @property
-    def depth(self) -> int:
-        if self.parents is None:
-            return len(self.tokens)
-        depth: list[int] = []
-        for parent in self.parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-        return max(depth, default=0)
-
-
-@runtime_checkable
-class Drafter(Protocol):
-    """What the loop (engine.speculative_decode) asks of a drafter: DraftModel, PromptLookup,
-    tree.TreeDrafter. Cache convention: the target's cache holds every committed id but the last,
-    which goes into the next target pass as the root of the draft."""
-
-    def reset(self) -> None:
-        """Forget the previous generation."""
-
-    def prefill(self, ids: list[int]) -> None:
-        """Read the prompt up front (timed as prefill, not drafting)."""
-
-    def propose(self, ids: list[int], gamma: int, params: SamplingParams, generator=None) -> "Draft":
-        """Guesses that continue ids, at most gamma deep (the loop never drafts what it cannot emit)."""
-
-    def commit(self, length: int, path: list[int], bonus: int) -> None:
-        """ids[:length], then the drafted nodes `path` (the accepted branch), then `bonus` now stand."""
+from ..backends import as_lm
+from ..errors import SpecDecodeError
+from ..sampling import SamplingParams, probs_from_logits, sample
+from .base import Draft, fit_vocab
 
 
 CATCHUP_APART = 16  # a root pass feeding more tokens than this reads them first in a pass of their own (timed)
@@ -74,7 +22,7 @@ class DraftModel:
     Cache invariant: the draft cache holds a prefix of the committed ids (all of them after a root pass)."""
 
     def __init__(self, model, vocab_size: int, window: int | None = DRAFT_WINDOW):
-        self.lm = as_lm(model)  # an HF model (torch backend) or an LM such as llamacpp.LlamaLM
+        self.lm = as_lm(model)  # an HF model (wrapped as a CachedLM) or an LM such as a LlamaLM
         self.vocab_size = vocab_size  # the target's V: q must live on the same support as p
         self.keep: torch.Tensor | None = None  # the token ids the output layer still has (None: all)
         # the draft sees only the last `window` tokens or so (None: all of them): ids[offset:] at positions
@@ -88,24 +36,16 @@ class DraftModel:
         frequent tokens), which is a large share of a small model's forward (151,936 x 896 of the
         0.5B's 494M weights). The draft then never proposes another token: q is zero there, which the
         verifier handles as any q (lossless); only the acceptance of rare tokens is lost."""
-        model = getattr(self.lm, "model", None)
-        if model is None or not hasattr(model, "get_output_embeddings"):
-            raise SpecDecodeError("a truncated draft vocabulary needs the torch backend: llama.cpp computes the "
-                                  "whole output layer in its graph")
-        head = model.get_output_embeddings()
+        error = self.lm.output_truncation_error()
+        if error:
+            raise SpecDecodeError(error)
         if self.keep is not None:
             raise SpecDecodeError("the draft's output layer is truncated already")
         keep = torch.as_tensor(sorted({int(i) for i in keep}), dtype=torch.long)
-        if not len(keep) or keep[0] < 0 or keep[-1] >= min(head.weight.shape[0], self.vocab_size):
-            raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{min(head.weight.shape[0], self.vocab_size) - 1}")
-        w = head.weight
-        new = torch.nn.Linear(w.shape[1], len(keep), bias=getattr(head, "bias", None) is not None,
-                              device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            new.weight.copy_(w[keep.to(w.device)])
-            if new.bias is not None:
-                new.bias.copy_(head.bias[keep.to(w.device)])
-        model.set_output_embeddings(new)  # the input embeddings stay whole: the draft reads every token
+        rows = min(self.lm.vocab_size, self.vocab_size)
+        if not len(keep) or keep[0] < 0 or keep[-1] >= rows:
+            raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{rows - 1}")
+        self.lm.truncate_output(keep)
         self.keep = keep
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
@@ -204,45 +144,12 @@ class DraftModel:
         self.lm.rollback(min(length + len(path) - self.offset, len(self.lm)))
 
 
-class PromptLookup:
-    """Prompt lookup decoding: find the latest earlier occurrence of the last n tokens (n from
-    max_ngram down to min_ngram) and propose the tokens that followed it. No model, no cost."""
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.last_ngram = 0  # the length of the n-gram the last proposal matched (0: none)
-
-    def reset(self) -> None:
-        pass
-
-    def prefill(self, ids: list[int]) -> None:
-        pass
-
-    def propose(self, ids: list[int], gamma: int, params: SamplingParams = None, generator=None) -> Draft:
-        arr = np.asarray(ids, dtype=np.int64)
-        L = len(arr)
-        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)  # starts 0..L-1-n
-            hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                tokens = arr[start:start + gamma].tolist()
-                if tokens:
-                    self.last_ngram = n
-                    return Draft(tokens, None, strategy="lookup", sources=["context"] * len(tokens))
-        self.last_ngram = 0
-        return Draft([], None)
-
-    def commit(self, length: int, path: list[int], bonus: int) -> None:
-        pass
-
-
-def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Align draft logits with the target's vocabulary size (padded embedding rows may differ)."""
-    V = logits.shape[-1]
-    if V > vocab_size:
-        return logits[..., :vocab_size]
-    if V < vocab_size:
-        pad = logits.new_full((*logits.shape[:-1], vocab_size - V), float("-inf"))
-        return torch.cat([logits, pad], dim=-1)
-    return logits
+def check_compatible(target_tok, draft_tok) -> None:
+    """Speculation needs one token space: the same id must mean the same string in both models."""
+    if target_tok is draft_tok:
+        return
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise SpecDecodeError(f"draft and target tokenizers differ ({len(dv)} vs {len(tv)} tokens, "
+                              f"{diff} entries disagree); speculative decoding needs the same vocabulary")

@@ -11,50 +11,15 @@ chain, where it is a plain crop). It slices keys and values; nothing is recomput
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import torch
 import transformers
 from transformers import DynamicCache
 
-from .errors import SpecDecodeError
+from ..errors import SpecDecodeError
+from .base import LM
 
 
-@runtime_checkable
-class LM(Protocol):
-    """A causal LM with its KV cache: the one seam between the engine (drafters, trees, cost model,
-    bench, server) and a backend. CachedLM (torch) and llamacpp.LlamaLM implement it.
-
-    Cache index space: entry i of the cache holds the keys/values of ids[i]; entries [0, trunk) are
-    committed text at positions 0.., the rest a tree of drafted tokens, each with its parent entry."""
-    backend: str  # "torch" | "llama.cpp"
-    name: str
-    vocab_size: int  # rows of the output layer: logits are [n, vocab_size]
-    max_length: int  # positions the model can attend over
-    eos_token_ids: set[int]
-    ids: list[int]  # the token in each cache entry
-
-    def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
-        """Append new_ids to the cache in one pass; float32 logits [n, V] (the last row only with
-        last_only). parents[i]: the cache entry new_ids[i] follows (a tree); None: a chain."""
-
-    def rollback(self, length: int, path: list[int] = ()) -> None:
-        """Keep entries [0, length) and then the entries `path` (an accepted branch), in that order."""
-
-    def reset(self) -> None:
-        """Empty the cache."""
-
-    def __len__(self) -> int:
-        """Entries in the cache."""
-
-    def describe(self) -> str:
-        """What pass costs depend on (the key of the measured cost model)."""
-
-    def synchronize(self) -> None:
-        """Wait for queued device work (for timing)."""
-
-
-class CachedLM:
+class CachedLM(LM):
     """A Hugging Face causal LM with its KV cache (the torch backend). The LM interface the engine,
     drafters, trees and cost model use, which llamacpp.LlamaLM implements too: forward, rollback,
     reset, len(), ids, max_length, vocab_size, eos_token_ids, describe(), synchronize()."""
@@ -70,6 +35,36 @@ class CachedLM:
         self.name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
         self.eos_token_ids = model_eos_ids(model)
         self.reset()
+
+    @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    @property
+    def hf_model(self):
+        return self.model
+
+    def tolerances(self) -> dict:
+        """bf16/fp16 round far more than fp32 (see LM.tolerances)."""
+        if self.dtype in (torch.bfloat16, torch.float16):
+            return {"rollback": 0.25, "tie": 0.25}
+        return {"rollback": 1e-3, "tie": 1e-3}
+
+    def output_truncation_error(self) -> str | None:
+        return None
+
+    def truncate_output(self, keep: torch.Tensor) -> None:
+        """FR-Spec: replace the output layer by one with only the rows `keep` (the input embeddings stay
+        whole: the model still reads every token)."""
+        head = self.model.get_output_embeddings()
+        w = head.weight
+        new = torch.nn.Linear(w.shape[1], len(keep), bias=getattr(head, "bias", None) is not None,
+                              device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            new.weight.copy_(w[keep.to(w.device)])
+            if new.bias is not None:
+                new.bias.copy_(head.bias[keep.to(w.device)])
+        self.model.set_output_embeddings(new)
 
     def describe(self) -> str:
         """What pass costs depend on: the model, dtype, device, torch build and threads."""
@@ -230,12 +225,6 @@ def model_eos_ids(model) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
-
-
-def as_lm(model):
-    """A model with a KV cache behind the LM interface: LMs pass through, HF models get a CachedLM."""
-    return model if hasattr(model, "rollback") and hasattr(model, "forward") and hasattr(model, "vocab_size") \
-        and not hasattr(model, "parameters") else CachedLM(model)
 
 
 TREE_ATTENTION = ("eager", "sdpa")  # the implementations that apply an additive 4-D mask as given

@@ -1,4 +1,4 @@
-"""A GGUF model on llama.cpp's CPU kernels, with its KV cache: the same LM interface as kv.CachedLM.
+"""A GGUF model on llama.cpp's CPU kernels, with its KV cache: the same LM interface as torch_lm.CachedLM.
 
 It drives llama.cpp through llama-cpp-python's low-level C API (`llama_batch`, `llama_decode`,
 `llama_get_logits`, `llama_memory_seq_cp/seq_rm`), never its high-level generation.
@@ -18,20 +18,23 @@ every cell that holds its FIRST sequence id, at a position <= its own. So:
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .errors import SpecDecodeError
+from ..errors import SpecDecodeError
+from .base import LM
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree pass holds at most 255 nodes
 N_BATCH = 512  # tokens per llama_decode call (a longer causal feed is split)
-MAX_CTX = 32768  # default context cap (KV memory grows with it; attention cost does not)
+MAX_CTX = 32768  # default context cap
+# The context starts with this many cells and doubles when a generation needs more (reserve): with
+# attention computed without flash attention, values are stored transposed with a row stride of the
+# cell count, so a 33k-cell context made each decode step at 1,400 tokens ~15% slower than a 4k one
+# (measured on an AMD EPYC Zen 4, 2 vCPUs; llama-cpp-python's Llama uses 4,096 by default too).
+FIRST_CTX = 4096
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
                11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
                17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
@@ -82,16 +85,19 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-class LlamaLM:
+class LlamaLM(LM):
     """A GGUF model in a llama.cpp context. forward/rollback/reset behave like CachedLM's."""
 
     backend = "llama.cpp"
+    max_tree_nodes = MAX_SEQ - 1  # sequence 0 is the trunk: one sequence id per tree node
 
     def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None, exact: bool = False,
                  flash_attn: int | None = None):
         """exact: keys and values in F32 and flash attention off (slower): logits then no longer depend on
         where in the cache a token's entry sits, so rollbacks can be checked to ~1e-6 (certify does).
-        flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: llama.cpp's own, auto)."""
+        flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: off, as llama-cpp-python's Llama runs plain decoding:
+        measured on a 2-vCPU Zen 4, a decode step at 1,400 tokens took 47 ms with it off against 51 ms
+        with llama.cpp's auto, which turns it on)."""
         lc = self._lc = _lib()
         self.path = Path(path)
         if not self.path.is_file():
@@ -108,33 +114,44 @@ class LlamaLM:
         self.threads = threads or default_threads()
         train = int(lc.llama_model_n_ctx_train(self._model))
         cparams = lc.llama_context_default_params()
-        limit = n_ctx or min(train, MAX_CTX)
+        limit = self._limit = n_ctx or min(train, MAX_CTX)
         # room for a full tree of drafted tokens beyond the last position the text may reach
-        cparams.n_ctx = limit + MAX_SEQ
+        cparams.n_ctx = min(limit, FIRST_CTX) + MAX_SEQ
         cparams.n_batch = cparams.n_ubatch = N_BATCH
         cparams.n_seq_max = MAX_SEQ
         cparams.kv_unified = True  # one KV buffer that all sequences share: a tree shares its trunk
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.no_perf = True
-        if flash_attn is not None:
-            cparams.flash_attn_type = flash_attn
+        cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED if flash_attn is None else flash_attn
         if exact:
             cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
             cparams.type_k = cparams.type_v = lc.GGML_TYPE_F32
-        self._ctx = lc.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            raise SpecDecodeError(f"llama.cpp could not create a context for {self.path} (n_ctx={cparams.n_ctx}; "
-                                  "out of memory?)")
-        self._mem = lc.llama_get_memory(self._ctx)
-        self._cells = int(lc.llama_n_ctx(self._ctx))
+        self._cparams = cparams
+        self._new_context(cparams.n_ctx)
         self._batch = lc.llama_batch_init(N_BATCH, 0, MAX_SEQ)
-        self.max_length = min(limit, int(lc.llama_n_ctx(self._ctx)))  # positions of text: 0 .. max_length-1
+        self.max_length = limit  # positions of text: 0 .. max_length-1 (the context grows up to it)
         self.device = torch.device("cpu")
         self.dtype = _FILE_TYPES.get(int(self.meta("general.file_type") or -1), "gguf")
         self.name = self.meta("general.name") or self.path.stem
         self.eos_token_ids = {t for t in (lc.llama_vocab_eos(self._vocab), lc.llama_vocab_eot(self._vocab)) if t >= 0}
         self.n_params = int(lc.llama_model_n_params(self._model))
+        self.quant_info = None  # set by loading.load_lm when it requantized the file for a draft
         self.reset()
+
+    @property
+    def gguf_path(self) -> Path:
+        return self.path
+
+    def tolerances(self) -> dict:
+        """Rollback: checked on an exact context (F32 keys/values, no flash attention; see exact_copy).
+        Greedy: a 4+ token pass moves a logit by up to ~0.5 on quantized models."""
+        return {"rollback": 1e-3, "tie": 0.5}
+
+    def exact_copy(self, max_length: int) -> "LlamaLM":
+        """F16 keys/values under flash attention round by where an entry sits in the cache, and a quantized
+        28-layer model turns that into ~0.4 in a logit; an F32, no-flash context of the same file isolates
+        the cache bookkeeping (the engine's own context is the default one)."""
+        return LlamaLM(self.path, n_ctx=max_length, threads=self.threads, exact=True)
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)
@@ -163,6 +180,37 @@ class LlamaLM:
         if getattr(self, "_model", None):
             lc.llama_model_free(self._model)
             self._model = None
+
+    def _new_context(self, cells: int) -> None:
+        lc = self._lc
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        self._cparams.n_ctx = max(cells, N_BATCH)  # llama.cpp caps a batch at the context's size
+        self._ctx = lc.llama_init_from_model(self._model, self._cparams)
+        if not self._ctx:
+            raise SpecDecodeError(f"llama.cpp could not create a context for {self.path} (n_ctx={cells}; "
+                                  "out of memory?)")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self._cells = int(lc.llama_n_ctx(self._ctx))
+
+    def reserve(self, n: int) -> None:
+        """Make room for n tokens of text (and a tree beyond them): the context doubles until it holds
+        them, up to max_length. Cheap on an empty cache (a new context); with cached text, that text is
+        read again (once per doubling)."""
+        n = min(n, self.max_length)
+        if n + MAX_SEQ <= self._cells:
+            return
+        cells = min(self.max_length, FIRST_CTX)
+        while cells < n:
+            cells = min(2 * cells, self.max_length)
+        if self.trunk != len(self.ids):
+            raise SpecDecodeError("the llama.cpp context can grow only between passes (no tree cached)")
+        text = list(self.ids)
+        self._new_context(cells + MAX_SEQ)
+        self.reset()
+        if text:
+            self.forward(text, last_only=True)
 
     def reset(self) -> None:
         self._lc.llama_memory_clear(self._mem, False)  # metadata only: no memset of the buffers
@@ -193,6 +241,8 @@ class LlamaLM:
         if not n:
             raise ValueError("forward needs at least one token")
         start = len(self.ids)
+        if start + n > self._cells and start + n <= self.max_length + MAX_SEQ and self.trunk == start:
+            self.reserve(start + n)
         if start + n > self._cells:
             raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens > {self._cells} cache cells")
         bad = [t for t in new_ids if not 0 <= t < self.vocab_size]
@@ -327,83 +377,3 @@ class LlamaLM:
         self.ids = self.ids[:m] + [self.ids[i] for i in branch]
         self.trunk = new_len
         self.parent, self.pos, self.seq = [], [], []
-
-
-# -- a faster draft: requantize once ------------------------------------------------------------
-# Draft weights never change the output (the target verifies every token), so the draft may run in
-# whichever llama.cpp type is fastest on this machine. Candidates: the file as shipped, and these.
-DRAFT_QUANTS = {"Q4_0": 2, "Q8_0": 7}  # name -> llama_ftype (LLAMA_FTYPE_MOSTLY_*)
-
-
-def requantize(src: Path, name: str, threads: int | None = None) -> Path:
-    """src requantized to `name` (a DRAFT_QUANTS key), written once into the cache (seconds)."""
-    from .machine import cache_dir
-    lc = _lib()
-    st = src.stat()
-    key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "gguf" / f"{src.stem}-{key}-{name}.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".quantizing-{os.getpid()}-{out.name}")
-    params = lc.llama_model_quantize_default_params()
-    params.ftype = DRAFT_QUANTS[name]
-    params.allow_requantize = True
-    params.nthread = threads or default_threads()
-    try:
-        if lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
-            raise SpecDecodeError(f"llama.cpp could not requantize {src} to {name}")
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return out
-
-
-def one_token_seconds(lm: "LlamaLM", repeats: int = 7, context: int = 128) -> float:
-    """The fastest of `repeats` 1-token passes after `context` cached tokens."""
-    lm.reset()
-    lm.forward([(7 * i + 11) % min(1000, lm.vocab_size) for i in range(context)], last_only=True)
-    best = float("inf")
-    for _ in range(repeats):
-        lm.rollback(context)
-        t = time.perf_counter()
-        lm.forward([1])
-        best = min(best, time.perf_counter() - t)
-    lm.reset()
-    return best
-
-
-def fastest_draft(src: Path, threads: int | None = None, progress: bool = True) -> tuple[Path, dict]:
-    """The draft file to run: src or one of its requantizations, whichever makes the fastest 1-token
-    pass on this machine. Measured once per machine, file, llama.cpp build and thread count; the
-    choice and the timings are cached under the cache dir's costs/ and returned as a report."""
-    from .machine import cache_dir, cpu_name as _cpu_name
-    threads = threads or default_threads()
-    lc = _lib()
-    st = src.stat()
-    key = hashlib.sha256("|".join([_cpu_name(), str(threads), getattr(lc, "__version__", "?"), str(src.resolve()),
-                                   str(st.st_size), str(st.st_mtime_ns)]).encode()).hexdigest()[:16]
-    record = cache_dir() / "costs" / f"draft-quant-{key}.json"
-    if record.is_file():
-        try:
-            info = json.loads(record.read_text())
-            path = src if info["chosen"] == "original" else requantize(src, info["chosen"], threads)
-            return path, info
-        except (ValueError, KeyError, TypeError, SpecDecodeError):
-            pass  # a damaged record: measure again
-    from tqdm.auto import tqdm
-    seconds, types = {}, {}
-    for name in tqdm(["original", *DRAFT_QUANTS], desc="choosing the draft's fastest quantization (once)",
-                     disable=not progress, leave=False):
-        path = src if name == "original" else requantize(src, name, threads)
-        lm = LlamaLM(path, n_ctx=512, threads=threads)
-        seconds[name], types[name] = one_token_seconds(lm), lm.dtype
-        del lm
-    chosen = min(seconds, key=seconds.get)
-    info = {"chosen": chosen, "file_type": types, "one_token_s": seconds}
-    record.parent.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(info, indent=1))
-    tmp.replace(record)
-    return (src if chosen == "original" else requantize(src, chosen, threads)), info

@@ -1,0 +1,21 @@
+"""Backends: a causal LM with its KV cache behind one interface (base.LM), on torch (torch_lm.CachedLM)
+or llama.cpp (llamacpp.LlamaLM), and the loading of model files (loading.py). Outside this package
+code asks an LM what it can do (its members), never which backend it is. A new backend: a module here
+with a class that subclasses LM, and its case in loading.resolve_backend / load_lm."""
+from .base import LM
+from .loading import (BACKENDS, BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_QUANT_CHOICES, ChunkedGGUF, as_lm,
+                      assemble, cache_dir, check_draft_vocab, converted, gguf_tokenizer, load_draft_lm, load_lm,
+                      load_model, load_tokenizer, resolve_backend)
+from .torch_lm import CachedLM
+
+__all__ = ["LM", "CachedLM", "LlamaLM", "as_lm", "BACKENDS", "BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET",
+           "DRAFT_QUANT_CHOICES", "ChunkedGGUF", "assemble", "cache_dir", "check_draft_vocab", "converted",
+           "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend"]
+
+
+def __getattr__(name):
+    """LlamaLM on first use: importing llama.cpp's bindings is left to whoever runs it."""
+    if name == "LlamaLM":
+        from .llamacpp import LlamaLM
+        return LlamaLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,89 @@
+"""The LM protocol: a causal LM with its KV cache, the one seam between the engine and a backend.
+
+Everything that differs between backends is a member of the LM (declared here, with its default):
+whether it can run token trees (`tree_error`), how many tree nodes its cache holds, whether its
+output layer can be truncated (FR-Spec), the GGUF file it runs, its threads, its rounding. Code
+outside `backends/` asks the LM, never which backend it is (`backend` is a label for reports).
+A backend subclasses LM (explicitly, so that it inherits the defaults); loading.py loads it, and its
+`as_lm` wraps a Hugging Face model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..errors import SpecDecodeError
+
+
+@runtime_checkable
+class LM(Protocol):
+    """A causal LM with its KV cache: the one seam between the engine (drafters, trees, cost model,
+    bench, server) and a backend. CachedLM (torch) and LlamaLM (llama.cpp) implement it.
+
+    Cache index space: entry i of the cache holds the keys/values of ids[i]; entries [0, trunk) are
+    committed text at positions 0.., the rest a tree of drafted tokens, each with its parent entry."""
+    backend: str  # "torch" | "llama.cpp": a label for reports and logs; nothing branches on it
+    name: str
+    vocab_size: int  # rows of the output layer: logits are [n, vocab_size]
+    max_length: int  # positions the model can attend over
+    eos_token_ids: set[int]
+    ids: list[int]  # the token in each cache entry
+    device: torch.device  # where its passes run (llama.cpp: the CPU)
+    dtype: object  # a torch.dtype on torch; the GGUF file type's name ("Q8_0", "F32", ...) on llama.cpp
+    threads: int  # CPU threads its passes use
+    gguf_path: Path | None = None  # the GGUF file it runs (llama.cpp, for the bench's llama.cpp peers); None: none
+    max_tree_nodes: int | None = None  # the most tree nodes its cache holds at once (llama.cpp: 255); None: no cap
+    quant_info: dict | None = None  # the draft requantization chosen at loading (llama.cpp); None: the file as is
+    hf_model = None  # the Hugging Face model behind it (torch), for transformers' own generation; None: none
+
+    def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
+        """Append new_ids to the cache in one pass; float32 logits [n, V] (the last row only with
+        last_only). parents[i]: the cache entry new_ids[i] follows (a tree); None: a chain."""
+
+    def rollback(self, length: int, path: list[int] = ()) -> None:
+        """Keep entries [0, length) and then the entries `path` (an accepted branch), in that order."""
+
+    def reset(self) -> None:
+        """Empty the cache."""
+
+    def __len__(self) -> int:
+        """Entries in the cache."""
+
+    def describe(self) -> str:
+        """What pass costs depend on (the key of the measured cost model)."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing)."""
+
+    def reserve(self, n: int) -> None:
+        """Make room for n tokens of text before a generation starts (a backend whose cache is sized up
+        front grows it here; the default does nothing)."""
+
+    def tree_error(self) -> str | None:
+        """Why this model cannot run token trees (a pass with a tree of parents); None (the default) if it can."""
+        return None
+
+    def output_truncation_error(self) -> str | None:
+        """Why this model's output layer cannot be truncated (FR-Spec's draft vocabulary); None if it can.
+        The default: it cannot (a backend whose graph computes the whole output layer)."""
+        return ("a truncated draft vocabulary needs the torch backend: llama.cpp computes the whole output "
+                "layer in its graph")
+
+    def truncate_output(self, keep: torch.Tensor) -> None:
+        """Keep only these rows (sorted token ids) of the output layer: logits are then [n, len(keep)].
+        The default: SpecDecodeError with output_truncation_error()."""
+        raise SpecDecodeError(self.output_truncation_error())
+
+    def tolerances(self) -> dict:
+        """The size of kernel rounding differences here, for `specdecode certify`: "rollback" (a logit
+        after a rollback against a fresh cache; checked on exact_copy()) and "tie" (the greedy near-tie
+        bound). The default: an fp32 model's, 1e-3 both."""
+        return {"rollback": 1e-3, "tie": 1e-3}
+
+    def exact_copy(self, max_length: int) -> "LM":
+        """An LM on the same weights, with room for max_length positions at least, whose logits do not
+        depend on where an entry sits in the cache (certify's rollback check). The default: itself."""
+        return self
+

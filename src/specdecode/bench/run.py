@@ -1,0 +1,190 @@
+"""`specdecode bench`: every method against plain decoding (and other tools' decoders, peers.py) on a
+prompt file, in one run, interleaved prompt by prompt so that machine drift hits all alike."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..drafters import History
+from ..engine import METHODS, Engine
+from ..errors import SpecDecodeError
+from ..methods import BASELINE, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
+from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
+from .summary import decode_rate, summarize
+
+
+def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[dict]:
+    """JSONL rows with `prompt` (raw completion) or `turns` (chat: the first turn, or with all_turns
+    every turn, as one conversation), optional `category`."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecDecodeError(f"prompt file not found: {path}")
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecDecodeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise SpecDecodeError(f"{path}:{lineno}: expected a JSON object")
+        if isinstance(obj.get("prompt"), str) and obj["prompt"]:
+            row = {"prompt": obj["prompt"], "chat": False}
+        elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
+            row = {"prompt": obj["turns"][0], "chat": True}
+            if all_turns:
+                if not all(isinstance(t, str) and t for t in obj["turns"]):
+                    raise SpecDecodeError(f"{path}:{lineno}: every turn must be a non-empty string")
+                row["turns"] = list(obj["turns"])
+        else:
+            raise SpecDecodeError(f"{path}:{lineno}: needs a non-empty 'prompt' string or a 'turns' list of strings")
+        row["id"] = str(obj.get("task_id", obj.get("question_id", lineno)))
+        row["category"] = obj.get("category") if isinstance(obj.get("category"), str) else None
+        rows.append(row)
+        if limit and len(rows) >= limit:
+            break
+    if not rows:
+        raise SpecDecodeError(f"{path}: no prompts")
+    return rows
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m not in BENCH_METHODS]
+    if bad or not methods:
+        raise SpecDecodeError(f"unknown method(s) {', '.join(bad) or '(none)'}; choose from {', '.join(BENCH_METHODS)}")
+    if BASELINE not in methods:
+        methods.insert(0, BASELINE)  # the baseline every speedup is measured against
+    return methods
+
+
+def default_methods(engine: Engine) -> list[str]:
+    methods = [m for m in in_default_run("bench_default")  # the method table's default run
+               if engine.draft_model is not None or METHOD_TABLE[m].needs_draft_model != REQUIRED]
+    if engine.target.gguf_path is not None:  # a GGUF file that llama-cpp-python's own generation can run
+        return methods + ["llama.cpp", "llama.cpp-pld"]
+    return methods + (["hf-assisted"] if engine.draft_model is not None else [])
+
+
+def needs_draft_model(methods: list[str]) -> bool:
+    """Whether a bench of these methods loads the draft model (some method or peer uses one)."""
+    return wants_draft_model(methods) or bool(set(DRAFT_PEERS) & set(methods))
+
+
+def check_methods(engine: Engine, methods: list[str]) -> None:
+    required = [m for m in METHODS if METHOD_TABLE[m].needs_draft_model == REQUIRED] + list(DRAFT_PEERS)
+    if engine.draft_model is None and set(required) & set(methods):
+        raise SpecDecodeError(f"methods {' and '.join(required)} need a draft model (--draft)")
+    if "hf-assisted" in methods and engine.target.hf_model is None:
+        raise SpecDecodeError("the hf-assisted peer runs on the torch backend (--backend torch)")
+    if {"llama.cpp", "llama.cpp-pld"} & set(methods) and engine.target.gguf_path is None:
+        raise SpecDecodeError("the llama.cpp peers need the target on the llama.cpp backend (a GGUF model, "
+                              "--backend llama.cpp or auto)")
+
+
+def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = 4, max_new_tokens: int = 128,
+              temperature: float = 0.0, seed: int | None = 0, progress: bool = True, tree: dict | None = None) -> dict:
+    """tree: tree_width/tree_depth/tree_nodes for method tree (unset: chosen by its cost model)."""
+    greedy = temperature == 0
+    tree = tree or {}
+    costs = engine.tree_costs()  # the measured T(k)/T(1) curve and draft cost, shown next to the speed table
+    peers = {m: LlamaPeer(engine, pld=m == "llama.cpp-pld") for m in methods if m in ("llama.cpp", "llama.cpp-pld")}
+    # with an engine history, every method remembers only its own earlier outputs (never the text another
+    # method wrote for the same prompt), and the warm-up leaves none
+    history = engine.history
+    histories = {m: History(history.max_tokens) if history is not None else None for m in methods}
+    engine.history = None
+    # warm-up (excluded): first calls pay for allocations and kernel selection
+    for m in methods:
+        _run_one(engine, {**prompts[0], "turns": None}, m, gamma, 8, temperature, seed, tree, peers)
+    rows = []
+    runs = sum(len(p.get("turns") or [0]) for p in prompts) * len(methods)
+    bar = tqdm(total=runs, desc="bench", unit="run", disable=not progress)
+    try:
+        for p in prompts:
+            for m in methods:  # interleaved, prompt by prompt
+                engine.history = histories[m]
+                messages: list[dict] = []
+                for turn, text in enumerate(p.get("turns") or [p["prompt"]], 1):
+                    bar.set_postfix_str(f"{p['id']} {m}" + (f" turn {turn}" if p.get("turns") else ""))
+                    if p.get("turns"):  # a conversation: each turn after this method's own earlier answers
+                        messages = messages + [{"role": "user", "content": text}]
+                        run = {**p, "prompt": messages, "chat": True}
+                    else:
+                        run = p
+                    r = _run_one(engine, run, m, gamma, max_new_tokens, temperature, seed, tree, peers)
+                    rows.append({"prompt_id": p["id"] + (f"#{turn}" if p.get("turns") else ""), "turn": turn,
+                                 "category": p["category"], "method": m, **r})
+                    if p.get("turns"):
+                        messages = messages + [{"role": "assistant", "content": r["text"]}]
+                    bar.update(1)
+    finally:
+        engine.history = history
+    bar.close()
+    return summarize(rows, methods, gamma=gamma, greedy=greedy,
+                     config=dict(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                 prompts=len(prompts), methods=methods, device=str(engine.target.device),
+                                 backend=engine.backend, target=engine.target.name,
+                                 draft=engine.draft_model.lm.name if engine.draft_model else None,
+                                 dtype=str(engine.target.dtype).replace("torch.", ""),
+                                 draft_dtype=str(engine.draft_model.lm.dtype).replace("torch.", "")
+                                 if engine.draft_model else None,
+                                 threads=engine.target.threads,
+                                 torch_threads=torch.get_num_threads(), tree=tree, cpu=cpu_description(),
+                                 draft_quant=engine.draft_model.lm.quant_info
+                                 if engine.draft_model else None,
+                                 pass_costs=costs.as_dict(),
+                                 datastore=str(engine.datastore.path) if engine.datastore else None,
+                                 datastore_tokens=len(engine.datastore) if engine.datastore else None,
+                                 history_tokens=history.max_tokens if history is not None else 0,
+                                 draft_vocab=len(engine.draft_model.keep)
+                                 if engine.draft_model is not None and engine.draft_model.keep is not None else None))
+
+
+def cpu_description() -> str:
+    """CPU model and the vector/matrix flags that decide which kernels run."""
+    from ..machine import cpu_name
+    flags = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+                break
+    except OSError:
+        pass
+    import os
+    return f"{cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags: {' '.join(flags) or 'n/a'}"
+
+
+def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=None, peers=None) -> dict:
+    if method in PEERS:
+        ids = engine.encode(p["prompt"], p["chat"])
+        if method == "hf-assisted":
+            r = hf_assisted(engine, ids, gamma, max_new_tokens, temperature, seed)
+        else:
+            r = peers[method].generate(ids, max_new_tokens, temperature, seed)
+        text = engine.decode(r["token_ids"]) if "token_ids" in r else ""
+        r.setdefault("ttft_s", None)
+        return {**r, "text": text, "tokens_per_second": r["new_tokens"] / r["wall_s"],
+                "decode_tokens_per_second": decode_rate(r["new_tokens"], r["wall_s"], r["ttft_s"]),
+                "plain_step_s": None, "target_forwards": None, "drafted": None,
+                "accepted": None, "rejections": None, "mean_accepted_tokens": None, "acceptance_rate": None,
+                "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None,
+                "tree_depth": None, "expected_tokens": None, "planned_passes": None, "modelled_s": None,
+                "strategies": None, "sources": None}
+    g = engine.generate(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed, **(tree or {} if _is(method, "tree_options") else {}))
+    s = g.stats
+    return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s, "sources": s.sources,
+            "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,
+            "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
+            "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,
+            "drafted_per_position": s.drafted_per_position, "draft_s": s.draft_s, "verify_s": s.verify_s,
+            "prefill_s": s.prefill_s, "ttft_s": s.ttft_s, "first_tokens": s.first_tokens,
+            "decode_tokens_per_second": s.decode_tokens_per_second, "catchup_s": s.catchup_s,
+            "tree_depth": s.tree_depth, "expected_tokens": s.expected_tokens, "planned_passes": s.planned_passes,
+            "modelled_s": s.modelled_s, "plain_step_s": s.plain_step_s, "strategies": s.strategies}

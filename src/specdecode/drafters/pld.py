@@ -1,0 +1,40 @@
+"""Prompt lookup decoding: a chain continuing the latest earlier occurrence of the text's last tokens."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..sampling import SamplingParams
+from .base import Draft
+
+
+class PromptLookup:
+    """Prompt lookup decoding: find the latest earlier occurrence of the last n tokens (n from
+    max_ngram down to min_ngram) and propose the tokens that followed it. No model, no cost."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.last_ngram = 0  # the length of the n-gram the last proposal matched (0: none)
+
+    def reset(self) -> None:
+        pass
+
+    def prefill(self, ids: list[int]) -> None:
+        pass
+
+    def propose(self, ids: list[int], gamma: int, params: SamplingParams = None, generator=None) -> Draft:
+        arr = np.asarray(ids, dtype=np.int64)
+        L = len(arr)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)  # starts 0..L-1-n
+            hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                tokens = arr[start:start + gamma].tolist()
+                if tokens:
+                    self.last_ngram = n
+                    return Draft(tokens, None, strategy="lookup", sources=["context"] * len(tokens))
+        self.last_ngram = 0
+        return Draft([], None)
+
+    def commit(self, length: int, path: list[int], bonus: int) -> None:
+        pass

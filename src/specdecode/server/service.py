@@ -1,0 +1,183 @@
+"""What the routes do: `Service.open` validates and tokenizes a request once, by opening an Engine stream
+(the Engine's SpecDecodeError becomes a 400 with its message) and checking the prompt against the context;
+the stream is queued as a Job (a full queue is a 503 with Retry-After); then the job's events become one
+JSON body, or server-sent events whose headers go out at once (with ": keep-alive" comments while the job
+waits in the queue).
+"""
+# No `from __future__ import annotations`, as in app.py: pydantic and FastAPI read the annotations.
+import time
+import uuid
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from ..errors import SpecDecodeError
+from ..methods import uses_cost_model
+from . import protocol as p
+from .protocol import APIError
+from .scheduler import Disconnected, Job, QueueFull, Worker
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+
+
+def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(model.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
+
+
+def error_response(err: APIError) -> Response:
+    return json_response(err.body(), err.status, err.headers)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; whatever ends the response (the end, a disconnect, an error) ends the job."""
+
+    def __init__(self, content, worker: Worker, job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.worker, self.job = worker, job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.worker.cancel(self.job)
+
+
+class Service:
+    """What the routes do: one served model, its default speculation, the worker."""
+
+    def __init__(self, engine, worker: Worker, *, model_id: str, method: str, gamma: int, max_tokens_cap: int,
+                 timeout_s: float, keepalive_s: float):
+        self.engine, self.worker, self.model_id = engine, worker, model_id
+        self.method, self.gamma, self.cap = method, gamma, max_tokens_cap
+        self.timeout_s, self.keepalive_s = timeout_s, keepalive_s
+        self.context = engine.target.max_length
+        self.created = int(time.time())
+
+    def card(self) -> p.ModelCard:
+        return p.ModelCard(id=self.model_id, created=self.created)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+    async def completions(self, body, request: Request) -> Response:
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        return await self.generate(body, request, "completions", prompt)
+
+    async def chat(self, body, request: Request) -> Response:
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        return await self.generate(body, request, "chat", [m.as_engine_message() for m in body.messages])
+
+    async def generate(self, body, request: Request, endpoint: str, prompt) -> Response:
+        self.check_model(body.model)
+        refused = p.unsupported(body)
+        if refused is not None:
+            raise refused
+        job = Job(await self.open(body, endpoint, prompt), endpoint, self.timeout_s)
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            raise APIError(503, f"the server is busy ({self.worker.max_queue} requests waiting); retry later",
+                           type="server_error", code="queue_full",
+                           headers={"Retry-After": str(self.worker.retry_after())}) from None
+        if body.stream:
+            return EventStream(self.events(job, body, endpoint), self.worker, job)
+        try:
+            async for kind, value in self.worker.events(job, request.is_disconnected):
+                if kind == "error":
+                    return error_response(value)
+                if kind == "end":
+                    return json_response(self.final(value, endpoint))
+        except Disconnected:
+            return Response(status_code=499)
+        finally:
+            self.worker.cancel(job)  # a no-op once the job has ended
+        raise AssertionError("the worker ended a job without an end or an error")
+
+    async def open(self, body, endpoint: str, prompt):
+        """The request as an Engine stream, opened (validated, tokenized) but not started."""
+        spec = body.speculation or p.Speculation()
+        chat = endpoint == "chat"
+        if body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        else:  # the Engine stops at the context, so "the room left" is the cap
+            max_tokens = min(self.cap, COMPLETIONS_DEFAULT_MAX_TOKENS) if endpoint == "completions" else self.cap
+        kwargs = dict(method=spec.method or self.method, gamma=self.gamma if spec.gamma is None else spec.gamma,
+                      max_new_tokens=max_tokens, temperature=0.0 if body.temperature is None else body.temperature,
+                      top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                      seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop, chat=chat,
+                      **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes")
+                         if getattr(spec, k) is not None})
+        param = "messages" if chat else "prompt"
+        try:
+            stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs)
+        except SpecDecodeError as e:
+            raise p.engine_error(e, param) from None
+        n = stream.stats.prompt_tokens
+        room = self.context - n
+        if room <= 0:
+            raise APIError(400, f"the prompt has {n} tokens; the model's context holds {self.context}, so no token "
+                                "can be generated", param=param, code="context_length_exceeded")
+        if body.max_tokens is not None and body.max_tokens > room:
+            raise APIError(400, f"the prompt has {n} tokens and max_tokens is {body.max_tokens}, but the model's "
+                                f"context holds {self.context} tokens; ask for at most {room}",
+                           param="max_tokens", code="context_length_exceeded")
+        return stream
+
+    def _open_stream(self, prompt, kwargs):
+        # Opening a stream reads only the tokenizer, except that the methods that plan on the cost model measure
+        # the pass costs on first use (once per machine): that runs the models, so it waits for the worker.
+        if uses_cost_model(kwargs["method"]) and getattr(self.engine, "costs", None) is None:
+            with self.worker.lock:
+                return self.engine.stream(prompt, **kwargs)
+        return self.engine.stream(prompt, **kwargs)
+
+    def final(self, end, endpoint: str) -> BaseModel:
+        usage = p.Usage.of(end.prompt_tokens, end.completion_tokens)
+        if endpoint == "chat":
+            return p.ChatCompletionResponse(
+                id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
+                choices=[p.ChatChoice(message=p.AssistantMessage(content=end.text), finish_reason=end.finish_reason)],
+                speculation=end.speculation)
+        return p.CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
+            choices=[p.CompletionChoice(text=end.text, finish_reason=end.finish_reason)], speculation=end.speculation)
+
+    async def events(self, job: Job, body, endpoint: str):
+        """The job as server-sent events: keep-alive comments while it waits, a chunk per delta, the last chunk
+        with finish_reason, usage and speculation, then `data: [DONE]`."""
+        chat = endpoint == "chat"
+        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
+                    model=self.model_id)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(text: str | None = None, finish: str | None = None, **extra) -> BaseModel:
+            if chat:
+                delta = p.ChatDelta() if text is None else p.ChatDelta(content=text)
+                return p.ChatCompletionChunk(**head, **extra,
+                                             choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish)])
+            return p.CompletionChunk(**head, **extra,
+                                     choices=[p.CompletionChunkChoice(text=text or "", finish_reason=finish)])
+
+        if chat:
+            yield p.sse(p.ChatCompletionChunk(**head, choices=[
+                p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""))]))
+        async for kind, value in self.worker.events(job, keepalive_s=self.keepalive_s):
+            if kind == "wait":
+                yield p.SSE_KEEPALIVE
+            elif kind == "delta":
+                yield p.sse(chunk(value))
+            elif kind == "end":
+                usage = p.Usage.of(value.prompt_tokens, value.completion_tokens)
+                yield p.sse(chunk(None, value.finish_reason, usage=usage, speculation=value.speculation))
+                if include_usage:
+                    last = p.ChatCompletionChunk if chat else p.CompletionChunk
+                    yield p.sse(last(**head, choices=[], usage=usage))
+            else:  # an error after the stream began
+                yield p.sse(value.body())
+        yield p.SSE_DONE
