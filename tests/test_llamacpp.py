@@ -689,7 +689,8 @@ def test_identical_draft_accepts_everything(files, module_cache, greedy):
             assert s.mean_accepted_tokens > gamma + 0.5
         out = eng.generate(prompt, method="tree", tree_width=1, tree_depth=4, max_new_tokens=N_GREEDY)
         check_greedy(case, prompt, out.token_ids, f"tree on {prompt!r}")
-        assert out.stats.accepted > 0.8 * out.stats.drafted
+        d = out.stats.sources["draft"]  # the draft model's nodes (lookup guesses may join the tree too)
+        assert d["accepted"] > 0.8 * d["drafted"]
 
 
 def test_generation_stops_at_the_context_limit(files, module_cache):

@@ -162,7 +162,8 @@ class LlamaLM(LM):
         """What pass costs depend on: the file, the llama.cpp build, the threads."""
         st = self.path.stat()
         return "|".join(["llama.cpp", getattr(self._lc, "__version__", "?"), str(self.path.resolve()), str(st.st_size),
-                         str(st.st_mtime_ns), self.dtype, str(self.threads)])
+                         str(st.st_mtime_ns), self.dtype, str(self.threads),
+                         f"fa{self._cparams.flash_attn_type}-ctx{FIRST_CTX}"])
 
     def synchronize(self) -> None:
         self._lc.llama_synchronize(self._ctx)
