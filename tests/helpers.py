@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from specdecode import SamplingParams, Stats, speculative_decode
 from specdecode.sampling import sample
 from specdecode.verify import verify as real_verify
-from specdecode.costs import CostModel
+from specdecode.planning.costs import CostModel
 from specdecode.backends import BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET
 
 GREEDY = SamplingParams()

@@ -53,10 +53,10 @@ from transformers.cache_utils import Cache
 
 import specdecode.engine as engine_mod
 from specdecode import Engine, SamplingParams
-from specdecode.costs import CostModel
+from specdecode.planning.costs import CostModel
 from specdecode.backends import CachedLM
 from specdecode.sampling import probs_from_logits
-from specdecode.tree import TreeDrafter, draft_model_can_pay
+from specdecode.planning.tree import TreeDrafter, draft_model_can_pay
 from specdecode.verify import verify as real_verify
 from helpers import accept_everything, gof_pvalue, no_residual_update, residual_is_p
 from tiny import tiny_model
@@ -286,7 +286,10 @@ def _lookup_sources(engine, monkeypatch, tmp_dir):
 @pytest.fixture(scope="module")
 def engine():
     tok = CharTokenizer()
-    eng = Engine(ReplayModel(small_model(TARGET_SEED)), tok, ReplayModel(small_model(DRAFT_SEED)), tok)
+    # the draft model sees a window of 4 tokens (drafters.model.DraftModel.window): its view is re-based
+    # within these short generations, and the target's law must not notice
+    eng = Engine(ReplayModel(small_model(TARGET_SEED)), tok, ReplayModel(small_model(DRAFT_SEED)), tok,
+                 draft_window=4)
     eng.progress = False
     return eng
 

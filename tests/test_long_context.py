@@ -9,15 +9,15 @@ import json
 import pytest
 import torch
 
-import specdecode.costs as costs_mod
-import specdecode.tree as tree_mod
+import specdecode.planning.costs as costs_mod
+import specdecode.planning.tree as tree_mod
 from helpers import CHEAP, GREEDY, run
 from specdecode import Engine, SamplingParams
-from specdecode.costs import CostModel, load_or_measure, measure
+from specdecode.planning.costs import CostModel, load_or_measure, measure
 from specdecode.drafters import DraftModel
 from specdecode.backends import CachedLM
-from specdecode.planner import TreeState, best_cut, draft_model_can_pay
-from specdecode.tree import TreeDrafter
+from specdecode.planning.planner import TreeState, best_cut, draft_model_can_pay
+from specdecode.planning.tree import TreeDrafter
 from tiny import byte_tokenizer, tiny_model
 
 V = 257

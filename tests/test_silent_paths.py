@@ -168,7 +168,7 @@ def step_clock(monkeypatch):
     import itertools
     import types
 
-    import specdecode.tree as tree_mod
+    import specdecode.planning.tree as tree_mod
     ticks = itertools.count()
     monkeypatch.setattr(tree_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))),
                         raising=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 import specdecode
 from specdecode.drafters import Drafter, DraftModel, PromptLookup
 from specdecode.backends import LM, CachedLM
-from specdecode.tree import TreeDrafter
+from specdecode.planning.tree import TreeDrafter
 from tiny import tiny_model
 from tinygguf import write_tiny_gguf
 
@@ -127,7 +127,7 @@ def test_no_import_cycles():
             visit(m, [])
     for m in graph:
         if m.startswith("specdecode.drafters"):  # a chain is a plain loop of draft passes
-            assert "specdecode.tree" not in graph[m], m
-    assert graph["specdecode.engine"] >= {"specdecode.tree", "specdecode.drafters", "specdecode.verify"}
+            assert "specdecode.planning.tree" not in graph[m], m
+    assert graph["specdecode.engine"] >= {"specdecode.planning.tree", "specdecode.drafters", "specdecode.verify"}
     assert "specdecode.backends.loading" in graph["specdecode.engine"]  # imported only inside Engine.load: read too
     assert graph["specdecode.machine"] == set()  # the leaf that costs, loading and llamacpp share

@@ -14,14 +14,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specdecode.costs as costs_mod
+import specdecode.planning.costs as costs_mod
 import specdecode.engine as engine_mod
 from specdecode import SamplingParams, SpecDecodeError, Stats, speculative_decode
-from specdecode.costs import Calibration, CostModel, load_or_measure, measure
+from specdecode.planning.costs import Calibration, CostModel, load_or_measure, measure
 from specdecode.drafters import DraftModel
 from specdecode.backends import CachedLM
 from specdecode.sampling import probs_from_logits
-from specdecode.tree import MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeDrafter
+from specdecode.planning.tree import MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeDrafter
 from helpers import CHEAP, EXPENSIVE, no_residual_update, run  # run: the loop driven on token ids
 from tiny import tiny_model
 

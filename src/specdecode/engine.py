@@ -20,7 +20,7 @@ from .methods import METHOD_TABLE, DraftRequest, get_method, method_names
 from .sampling import SamplingParams, probs_from_logits
 from .stats import Generation, Stats
 from .textstream import TextStream
-from .tree import TreeDrafter, TreeState, draft_model_can_pay
+from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
 from .verify import verify, verify_greedy, verify_tree
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
@@ -212,7 +212,7 @@ class Engine:
     def tree_costs(self):
         """The tree method's CostModel: pass costs measured once per machine and models (cached on disk)."""
         if self.costs is None:
-            from .costs import load_or_measure
+            from .planning.costs import load_or_measure
             self.costs = load_or_measure(self.target, self.draft_model.lm if self.draft_model else None,
                                          progress=self.progress)
         return self.costs

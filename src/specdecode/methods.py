@@ -33,7 +33,7 @@ class Method:
     """One decoding method.
 
     needs_draft_model: REQUIRED (an error without one), OPTIONAL (used when loaded), NO (never loaded for it).
-    uses_cost_model: its drafter plans on the measured pass costs (costs.py; measured on first use).
+    uses_cost_model: its drafter plans on the measured pass costs (planning/costs.py; measured on first use).
     uses_lookup_sources: it drafts from the lookup sources (drafters/lookup.py: context, history, datastore).
     prompt_lookup: it drafts from the prompt's own text only (its stats name the "context" source).
     uses_gamma: gamma sets how many tokens a step drafts (Stats.gamma); other methods ignore it.

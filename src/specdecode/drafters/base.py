@@ -1,7 +1,7 @@
 """Drafters propose tokens; they never touch the target.
 
 `propose(ids, gamma, params, generator)` returns a Draft that continues `ids`: a chain, or a token
-tree (tree.py), with the distribution each token was drawn from (q=None: every token was chosen
+tree (planning/tree.py), with the distribution each token was drawn from (q=None: every token was chosen
 deterministically, a one-hot q). `prefill(ids)` lets a drafter with a cache read the prompt up
 front (timed as prefill, not drafting); `commit(length, path, bonus)` tells it that ids[:length],
 the drafted nodes `path` (the accepted branch) and then the token `bonus` are what now stands.

@@ -12,7 +12,7 @@ Each source matches the longest suffix of the text it holds (up to its max n-gra
 continuations of up to MAX_MATCHES of those occurrences (the latest ones for the context and the
 history, evenly spaced ones for the datastore) form a tree whose nodes count how many continuations
 pass through them: freq = count(node) / count(parent) is the observed P(token | path). The tree
-planner (tree.py) turns (source, n-gram length, freq, depth) into a calibrated acceptance value and
+planner (planning/tree.py) turns (source, n-gram length, freq, depth) into a calibrated acceptance value and
 weighs the guesses against the draft model's with the measured pass costs. Every guess is one-hot
 (deterministic), so any choice of guesses keeps the target's distribution (verify_tree's contract).
 """

@@ -9,7 +9,7 @@ tried, pruned ones included.
 """
 from __future__ import annotations
 
-from .drafters.lookup import SOURCES, Guess
+from ..drafters.lookup import SOURCES, Guess
 
 # Lookup bins. A 4-gram match whose continuations all agree is a far better guess than a 1-gram match
 # seen once; the edges split the values seen on code and chat into bins that fill within a few steps.

@@ -2,7 +2,7 @@
 
 Growth follows EAGLE-2: from the root, each depth expands the frontier nodes with the highest value
 (the estimated probability that the target accepts the whole path to them) by one batched draft
-pass over the frontier, under a tree attention mask. Lookup guesses (lookup.py: the context, earlier
+pass over the frontier, under a tree attention mask. Lookup guesses (drafters/lookup.py: the context, earlier
 outputs, a datastore) join as extra branches, valued by a calibration of their observed frequency.
 Greedy trees are then re-ranked: the N most valuable nodes are kept (a node is never worth more
 than its parent, so they form a tree).
@@ -29,11 +29,11 @@ import torch
 
 from .calibration import lookup_feature
 from .costs import CostModel
-from .drafters import Draft
-from .drafters.lookup import Guess, Lookup
+from ..drafters import Draft
+from ..drafters.lookup import Guess, Lookup
 from .planner import (AUTO_MARGIN, MASS_COVER, MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeState, best_cut,  # noqa: F401
                       chain_speedup, draft_model_can_pay, frontier_width, pays)
-from .sampling import SamplingParams, probs_from_logits, sample
+from ..sampling import SamplingParams, probs_from_logits, sample
 
 MAX_LOOKUP_NODES = 24  # lookup guesses offered to the planner per source and step (it keeps those that pay)
 

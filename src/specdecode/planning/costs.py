@@ -16,7 +16,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from .calibration import Calibration  # noqa: F401  (re-exported)
-from .machine import cache_dir, cpu_name as _cpu_name  # _cpu_name: the old name, kept
+from ..machine import cache_dir, cpu_name as _cpu_name  # _cpu_name: the old name, kept
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 DRAFT_SIZES = (1, 2, 4, 8)
