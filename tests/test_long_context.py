@@ -282,3 +282,19 @@ def test_auto_never_verifies_below_a_plain_step(step_clock):
     engine.costs = CostModel({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 32: 32.0})
     out = engine.generate("abcabcabcabcabcabc", method="auto", max_new_tokens=20)
     assert out.stats.drafted == 0 and out.stats.predicted_speedup == pytest.approx(1.0)
+
+
+def test_one_burst_of_noise_does_not_end_the_table(fake_clock):
+    """A pass timed past the cap once (another process was busy) is timed again before the sizes after
+    it are given up."""
+    kernel = {1: 0.04, 2: 0.07, 4: 0.12, 5: 0.15, 8: 0.25}
+    calls = {5: 0}
+
+    def seconds(n):
+        if n == 5:
+            calls[5] += 1
+            if calls[5] == 1:
+                return 0.6  # 15 plain steps, once
+        return kernel.get(n, 0.5)
+    times = measure(_TimedLM(seconds, fake_clock), [1, 2, 4, 5, 8], repeats=2)
+    assert times == pytest.approx(kernel)
