@@ -7,6 +7,14 @@ from dataclasses import asdict, dataclass, field
 from .drafters import Draft
 
 
+def decode_rate(new_tokens: int, wall_s: float, ttft_s: float | None, first_tokens: int = 1) -> float | None:
+    """Decoding speed without the prefill: the tokens after the first step's (first_tokens of them arrived
+    at ttft_s), per second after it. None when there is nothing to measure."""
+    if ttft_s is None or new_tokens <= first_tokens or wall_s <= ttft_s:
+        return None
+    return (new_tokens - first_tokens) / (wall_s - ttft_s)
+
+
 @dataclass
 class Stats:
     """Counters of one generation. target_forwards counts verify passes (the prefill is not one)."""
@@ -62,9 +70,7 @@ class Stats:
     @property
     def decode_tokens_per_second(self) -> float | None:
         """Tokens after the first step's, per second after it: decoding speed without the prefill."""
-        if self.ttft_s is None or self.new_tokens <= self.first_tokens or self.wall_s <= self.ttft_s:
-            return None
-        return (self.new_tokens - self.first_tokens) / (self.wall_s - self.ttft_s)
+        return decode_rate(self.new_tokens, self.wall_s, self.ttft_s, self.first_tokens)
 
     @property
     def mean_tree_nodes(self) -> float | None:

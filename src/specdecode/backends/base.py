@@ -57,6 +57,22 @@ class LM(Protocol):
     def synchronize(self) -> None:
         """Wait for queued device work (for timing)."""
 
+    def _branch(self, length: int, path) -> tuple[int, list[int]]:
+        """rollback's arguments checked, for a backend whose cache is a trunk (entries [0, trunk), committed
+        text) plus tree entries with `_parent(i)`: (length, path) with a kept prefix that runs into the tree
+        moved into the path. ValueError unless `path` is a branch hanging off entry length-1."""
+        path = list(path)
+        if not 0 <= length <= len(self.ids):
+            raise ValueError(f"cannot roll back to {length}: {len(self.ids)} tokens cached")
+        if length > self.trunk and path:  # the kept prefix runs into the tree: it is part of the branch
+            path, length = list(range(self.trunk, length)) + path, self.trunk
+        prev = length - 1
+        for i in path:
+            if not (length <= i < len(self.ids)) or self._parent(i) != prev:
+                raise ValueError(f"cache entries {path} are not a branch hanging off entry {length - 1}")
+            prev = i
+        return length, path
+
     def reserve(self, n: int) -> None:
         """Make room for n tokens of text before a generation starts (a backend whose cache is sized up
         front grows it here; the default does nothing)."""

@@ -344,16 +344,8 @@ class LlamaLM(LM):
     def rollback(self, length: int, path: list[int] = ()) -> None:
         """Keep the first `length` cached entries, then the entries at `path` (an accepted tree branch
         hanging off entry length-1). Everything else is forgotten."""
-        lc, path = self._lc, list(path)
-        if not 0 <= length <= len(self.ids):
-            raise ValueError(f"cannot roll back to {length}: {len(self.ids)} tokens cached")
-        if length > self.trunk and path:  # the kept prefix runs into the tree: it is part of the branch
-            path, length = list(range(self.trunk, length)) + path, self.trunk
-        prev = length - 1
-        for i in path:
-            if not (length <= i < len(self.ids)) or self._parent(i) != prev:
-                raise ValueError(f"cache entries {path} are not a branch hanging off entry {length - 1}")
-            prev = i
+        lc = self._lc
+        length, path = self._branch(length, path)
         keep = list(range(length)) + path
         m = 0  # the kept trunk entries form a prefix of the trunk
         while m < len(keep) and keep[m] == m and m < self.trunk:

@@ -184,16 +184,7 @@ class CachedLM(LM):
     def rollback(self, length: int, path: list[int] = ()) -> None:
         """Keep the first `length` cached entries, then the entries at `path` (ascending cache
         indices, each the child of the one before: an accepted tree branch). All else is forgotten."""
-        path = list(path)
-        if not 0 <= length <= len(self.ids):
-            raise ValueError(f"cannot roll back to {length}: {len(self.ids)} tokens cached")
-        if length > self.trunk and path:  # the kept prefix runs into the tree: it is part of the branch
-            path, length = list(range(self.trunk, length)) + path, self.trunk
-        prev = length - 1
-        for i in path:
-            if not (length <= i < len(self.ids)) or self._parent(i) != prev:
-                raise ValueError(f"cache entries {path} are not a branch hanging off entry {length - 1}")
-            prev = i
+        length, path = self._branch(length, path)
         if path and path != list(range(length, length + len(path))):
             index = torch.tensor(path, dtype=torch.long, device=self.device)
             for layer in self.cache.layers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..methods import BASELINE
 from .peers import PEERS, _is
+from ..stats import decode_rate  # noqa: F401  (bench.decode_rate, as before)
 
 
 def analytic_bound(alpha: float, gamma: int, c: float) -> float:
@@ -26,13 +27,6 @@ def alpha_from_counts(accepted: int, rejections: int) -> float | None:
     alpha = accepted / (accepted + rejections) (the geometric-model estimate)."""
     tested = accepted + rejections
     return accepted / tested if tested else None
-
-
-def decode_rate(new_tokens: int, wall_s: float, ttft_s: float | None, first_tokens: int = 1) -> float | None:
-    """Tokens after the first step's, per second after it (Stats.decode_tokens_per_second's rule)."""
-    if ttft_s is None or new_tokens <= first_tokens or wall_s <= ttft_s:
-        return None
-    return (new_tokens - first_tokens) / (wall_s - ttft_s)
 
 
 class _Rows:
