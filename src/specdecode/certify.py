@@ -19,6 +19,7 @@ Three checks, each with its tolerance stated in the report:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -157,26 +158,88 @@ def check_verifier(p: torch.Tensor, q: torch.Tensor, draws: int, generator: torc
             "control_p_value": p_control, "control_informative": p_control <= P_FAIL, "tv_distance_p_q": tv}
 
 
-def check_greedy(engine, prompt: str, method: str, max_new_tokens: int, plain_ids: list[int]) -> dict:
-    out = engine.generate(prompt, method=method, max_new_tokens=max_new_tokens, temperature=0.0)
+class RowRecorder:
+    """Wraps an LM and keeps a digest of every logits row it computes, by the text the row follows (the
+    committed text, then the row's tree branch): the rows a generation's verifier read can then be
+    compared bit for bit with plain decoding's. Everything else goes to the LM."""
+
+    def __init__(self, lm):
+        self._lm, self.rows = lm, {}
+        self._ctx: list[tuple[int, ...]] = []  # per cache entry: the text up to and including it
+
+    def __getattr__(self, name):
+        return getattr(self._lm, name)
+
+    def __len__(self) -> int:
+        return len(self._lm)
+
+    def reset(self) -> None:
+        self._lm.reset()
+        self._ctx = []
+
+    def forward(self, new_ids, last_only=False, parents=None):
+        start = len(self._ctx)
+        out = self._lm.forward(new_ids, last_only=last_only, parents=parents)
+        parents = list(range(start - 1, start - 1 + len(new_ids))) if parents is None else parents
+        for tok, par in zip(new_ids, parents):
+            self._ctx.append((self._ctx[par] if par >= 0 else ()) + (tok,))
+        first = len(new_ids) - out.shape[0]  # last_only: the last row
+        for j in range(out.shape[0]):
+            self.rows[self._ctx[start + first + j]] = hashlib.sha1(out[j].contiguous().numpy().tobytes()).hexdigest()
+        return out
+
+    def rollback(self, length: int, path=()) -> None:
+        self._lm.rollback(length, path)
+        self._ctx = self._ctx[:length] + [self._ctx[i] for i in path]
+
+
+def _recorded(engine, prompt: str, method: str, max_new_tokens: int):
+    """(generation, {text: row digest}) of one greedy generation."""
+    target, engine.target = engine.target, RowRecorder(engine.target)
+    try:
+        out = engine.generate(prompt, method=method, max_new_tokens=max_new_tokens, temperature=0.0)
+        return out, engine.target.rows
+    finally:
+        engine.target = target
+
+
+def check_greedy(engine, prompt: str, method: str, max_new_tokens: int, plain_ids: list[int],
+                 plain_rows: dict | None = None) -> dict:
+    """A method's greedy output against plain decoding's: token for token, and (with plain_rows) the
+    logits rows its verifier read at each position against plain decoding's, bit for bit. In exact mode
+    (engine.exact) any difference fails; otherwise a divergence passes only at a near-tie."""
+    out, rows = _recorded(engine, prompt, method, max_new_tokens)
     ids = out.token_ids
     res = {"method": method, "tokens": len(ids), "identical": ids == plain_ids, "divergence": None, "passed": True,
-           "drafted": out.stats.drafted, "accepted": out.stats.accepted}
+           "drafted": out.stats.drafted, "accepted": out.stats.accepted, "exact_mode": engine.exact}
+    prompt_ids = tuple(engine.encode(prompt))
+    if plain_rows is not None:  # positions both runs reached with the same text
+        same = n = 0
+        for i in range(min(len(ids), len(plain_ids)) + 1):
+            text = prompt_ids + tuple(plain_ids[:i])
+            if i and ids[i - 1] != plain_ids[i - 1]:
+                break
+            if text in rows and text in plain_rows:
+                n += 1
+                same += rows[text] == plain_rows[text]
+        res.update(positions_compared=n, bit_identical=same, bit_identical_fraction=same / n if n else None)
+        if engine.exact and same != n:
+            res["passed"] = False
     if ids == plain_ids:
         return res
     i = next((k for k, (a, b) in enumerate(zip(plain_ids, ids)) if a != b), min(len(ids), len(plain_ids)))
     tie = tolerances(engine.target)["tie"]
-    prompt_ids = engine.encode(prompt)
     engine.target.reset()
-    logits = engine.target.forward(prompt_ids + plain_ids[:i], last_only=True)[-1]
+    logits = engine.target.forward(list(prompt_ids) + plain_ids[:i], last_only=True)[-1]
     engine.target.reset()
     top = logits.topk(2)
     margin = float(top.values[0] - top.values[1])
     took = ids[i] if i < len(ids) else None
     runner_up = int(top.indices[1])
-    ok = i < len(ids) and i < len(plain_ids) and margin <= tie and took in (runner_up, int(top.indices[0]))
+    ok = (not engine.exact and i < len(ids) and i < len(plain_ids) and margin <= tie
+          and took in (runner_up, int(top.indices[0])))
     res.update(divergence={"at": i, "top2_margin": margin, "bound": tie, "took_runner_up": took == runner_up},
-               passed=bool(ok))
+               passed=bool(ok) and res["passed"])
     return res
 
 
@@ -223,10 +286,12 @@ def certify(engine, *, methods: list[str], prompts: list[str] | None = None, set
             report["verifier"].append({"prompt": prompt[:40], "temperature": params.temperature, "top_k": params.top_k,
                                        "top_p": params.top_p, **r})
             bar.update(1)
-        plain = engine.generate(prompt, method=BASELINE, max_new_tokens=max_new_tokens).token_ids
+        plain_out, plain_rows = _recorded(engine, prompt, BASELINE, max_new_tokens)
+        plain = plain_out.token_ids
         bar.update(1)
         for m in methods:
-            report["greedy"].append({"prompt": prompt[:40], **check_greedy(engine, prompt, m, max_new_tokens, plain)})
+            report["greedy"].append({"prompt": prompt[:40], **check_greedy(engine, prompt, m, max_new_tokens, plain,
+                                                                            plain_rows)})
             bar.update(1)
     bar.close()
     report["passed"] = all(r["passed"] for part in ("rollback", "verifier", "greedy") for r in report[part])
@@ -257,14 +322,20 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['prompt']!r} | {r['temperature']} | {r['top_k']} | {r['top_p']} | {r['draws']:,} | "
                      f"{r['support']} | {r['tv_distance_p_q']:.3f} | {r['p_value']:.3g} | {r['control_p_value']:.3g} | "
                      f"{ok(r['passed'])} |")
+    exact = any(r.get("exact_mode") for r in report["greedy"])
     lines += ["\n## 3. Greedy agreement with plain decoding\n",
-              "| prompt | method | tokens | drafted / accepted | identical | first divergence (top-2 margin / bound) | result |",
-              "|---|---|---|---|---|---|---|"]
+              ("Exact mode: every logits row the verifier read must be bit-identical to plain decoding's at the same "
+               "position, and the output identical.\n" if exact else
+               "A divergence passes only at a near-tie of plain decoding's top two logits (the bound: this backend's "
+               "rounding). Bit-identical: the positions whose logits row equals plain decoding's in every bit.\n"),
+              "| prompt | method | tokens | drafted / accepted | identical | bit-identical rows | first divergence "
+              "(top-2 margin / bound) | result |", "|---|---|---|---|---|---|---|---|"]
     for r in report["greedy"]:
         d = r["divergence"]
         div = "–" if d is None else f"token {d['at']}: {d['top2_margin']:.3f} / {d['bound']}"
+        bits = f"{r['bit_identical']}/{r['positions_compared']}" if "bit_identical" in r else "–"
         lines.append(f"| {r['prompt']!r} | {r['method']} | {r['tokens']} | {r['drafted']} / {r['accepted']} | "
-                     f"{'yes' if r['identical'] else 'no'} | {div} | {ok(r['passed'])} |")
+                     f"{'yes' if r['identical'] else 'no'} | {bits} | {div} | {ok(r['passed'])} |")
     return "\n".join(lines) + "\n"
 
 

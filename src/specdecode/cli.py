@@ -147,7 +147,7 @@ def certify(args) -> int:
         raise SpecDecodeError("--draws must be at least 1000 and --max-new-tokens positive")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, progress=not args.json)
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, progress=not args.json)
     if engine.draft_model is None:
         methods = [m for m in methods if METHOD_TABLE[m].needs_draft_model != REQUIRED]
     report = cert.certify(engine, methods=methods, draws=args.draws, max_new_tokens=args.max_new_tokens,
@@ -177,6 +177,10 @@ def _backend_args(parser) -> None:
                              "frequencies from --draft-vocab-from or --datastore); a lighter draft, same output")
     parser.add_argument("--draft-vocab-from", default=None, metavar="DIR",
                         help="the datastore whose token frequencies choose --draft-vocab's tokens")
+    parser.add_argument("--exact", action="store_true",
+                        help="exact greedy mode: every token's logits bit-identical to plain decoding's, so the output "
+                             "is plain decoding's token for token (llama.cpp: flash attention on, no weight repacking, "
+                             "passes kept to the sizes measured exact here; see the README)")
     parser.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
                         help=f"the draft model sees about the last N tokens of the text (default {DRAFT_WINDOW}; 0: all "
                              "of it): on a long prompt it reads a window, not the whole prompt; the output is the same")
@@ -237,7 +241,7 @@ def bench(args) -> None:
                               "which is not benchmarked")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore,
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore,
                          history_tokens=args.history_tokens, with_draft=methods is None or needs_draft_model(methods))
     if methods is None:
         methods = default_methods(engine)
@@ -259,7 +263,7 @@ def generate(args) -> None:
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=wants_draft_model([args.method]), progress=not args.json,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore)
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop=args.stop, chat=args.chat, **_tree_kwargs(args))

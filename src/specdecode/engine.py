@@ -16,12 +16,14 @@ from .backends import LM, as_lm
 from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, tokenizer_fingerprint)
 from .errors import SpecDecodeError
+from . import exactness
+from .exactness import ExactLimits
 from .methods import METHOD_TABLE, DraftRequest, get_method, method_names
 from .sampling import SamplingParams, probs_from_logits
 from .stats import Generation, Stats
 from .textstream import TextStream
 from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
-from .verify import verify, verify_greedy, verify_tree
+from .verify import verdict
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
@@ -29,10 +31,11 @@ AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured b
 
 def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
                        max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None,
-                       stats: Stats) -> Iterator[list[int]]:
+                       stats: Stats, exact: ExactLimits | None = None) -> Iterator[list[int]]:
     """Yield newly committed token ids, step by step. stats is filled in as it goes. gamma: the most
     tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
-    still be emitted."""
+    still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are
+    bit-identical to plain decoding's (exactness.py)."""
     if len(prompt_ids) >= target.max_length:
         raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
                               f"{target.max_length}, so no token can be generated")
@@ -54,14 +57,18 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
             stats.finish_reason = "length"
             return
         g = min(gamma, room - 1) if drafter is not None else 0  # never draft what cannot be emitted
+        if exact is not None:
+            g = min(g, exact.max_guesses)
 
         t0 = time.perf_counter()
         draft = drafter.propose(ids, g, params, generator) if g > 0 else Draft([], None)
+        if exact is not None:
+            draft = draft.prefix(exact.max_guesses, chain=not exact.trees)
         t1 = time.perf_counter()
         # the ONE target pass over the last committed token (the root) and every drafted token
         root = len(target)
         logits = target.forward([ids[-1]] + draft.tokens, parents=[root - 1] + [root + a + 1 for a in draft.tree_parents])
-        path, bonus = _verdict(logits, draft, params, generator)
+        path, bonus = verdict(logits, draft, params, generator)
         # keep ids + the accepted branch; the new last token stays uncached
         target.rollback(len(ids), [root + 1 + i for i in path])
         if drafter is not None and g > 0:
@@ -82,20 +89,6 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
         yield new
         if stats.finish_reason:
             return
-
-
-def _verdict(logits: torch.Tensor, draft: Draft, params: SamplingParams,
-             generator: torch.Generator | None) -> tuple[list[int], int]:
-    """The target's verdict on a draft, from its logits after the root and each drafted node: the accepted
-    nodes (a branch, root side first) and the token that follows them (a correction or the bonus)."""
-    if params.greedy and draft.q is None:  # one-hot p and q: the rule reduces to following the argmax
-        return verify_greedy(logits.argmax(-1).tolist(), draft.tokens, draft.tree_parents)
-    if draft.parents is None:  # a chain: the batched rule
-        p = probs_from_logits(logits, params)  # [n+1, V]
-        q = None if draft.q is None else draft.q[None]
-        accepted, bonus = verify(p[None], q, torch.tensor([draft.tokens], dtype=torch.long), generator)
-        return list(range(int(accepted[0]))), int(bonus[0])
-    return verify_tree(probs_from_logits(logits, params), draft.tokens, draft.parents, draft.q, generator)
 
 
 class Engine:
@@ -122,8 +115,10 @@ class Engine:
     """
 
     def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None, *,
-                 history_tokens: int = 0, datastore: str | None = None, draft_window: int | None = DRAFT_WINDOW):
+                 history_tokens: int = 0, datastore: str | None = None, draft_window: int | None = DRAFT_WINDOW,
+                 exact: bool = False):
         self.tokenizer = tokenizer
+        self.exact = bool(exact)  # the default of stream()/generate()'s exact
         self.target = as_lm(target_model)  # an HF model (wrapped as a CachedLM) or an LM such as a LlamaLM
         self.vocab_size = self.target.vocab_size
         self.draft_model = None
@@ -168,7 +163,8 @@ class Engine:
              dtype: str | None = None, device: str | None = None, with_draft: bool = True, progress: bool = True,
              threads: int | None = None, draft_quant: str = "auto", history_tokens: int = 0,
              datastore: str | None = None, draft_vocab: int | None = None,
-             draft_vocab_from: str | None = None, draft_window: int | None = DRAFT_WINDOW) -> "Engine":
+             draft_vocab_from: str | None = None, draft_window: int | None = DRAFT_WINDOW,
+             exact: bool = False) -> "Engine":
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
@@ -177,7 +173,9 @@ class Engine:
         "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine.
         draft_vocab (torch): truncate the draft's output layer to this many most frequent tokens of
         draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab. draft_window: the
-        draft model sees only about the last this many tokens (None: the whole text), see DraftModel."""
+        draft model sees only about the last this many tokens (None: the whole text), see DraftModel.
+        exact: load the target for exact greedy mode and make it every greedy generation's default (see
+        stream); on llama.cpp this turns flash attention on and weight repacking off for the target."""
         from .backends.loading import DEFAULT_DRAFT, DEFAULT_TARGET, check_draft_vocab, load_draft_lm, load_lm
         if target is None:
             target = DEFAULT_TARGET
@@ -193,13 +191,13 @@ class Engine:
                 raise SpecDecodeError("--draft-vocab needs token frequencies: --draft-vocab-from DIR (a datastore "
                                       "built by `specdecode index`) or --datastore DIR")
         t_model, t_tok, t_backend = load_lm(target, backend, dtype=dtype, device=device, progress=progress,
-                                            threads=threads)
+                                            threads=threads, exact=exact)
         d_model = d_tok = None
         if with_draft and draft:
             d_model, d_tok, d_backend = load_draft_lm(draft, backend, dtype=dtype, device=device, progress=progress,
                                                       threads=threads, quant=draft_quant)
         engine = cls(t_model, t_tok, d_model, d_tok, history_tokens=history_tokens, datastore=datastore,
-                     draft_window=draft_window)
+                     draft_window=draft_window, exact=exact)
         engine.progress = progress
         if draft_vocab is not None and engine.draft_model is not None:
             engine.truncate_draft_vocab(draft_vocab, draft_vocab_from)
@@ -256,7 +254,7 @@ class Engine:
                max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
                tree_width: int | None = None, tree_depth: int | None = None,
-               tree_nodes: int | None = None) -> "TextStream":
+               tree_nodes: int | None = None, exact: bool | None = None) -> "TextStream":
         """An iterator of text deltas (never splitting a character or leaking a stop string);
         after it is exhausted, .result holds the Generation.
 
@@ -267,12 +265,20 @@ class Engine:
         than sdpa or eager), for which method="tree" is an error before any model work.
         method="tree": gamma is not used; tree_width (children per node and frontier nodes per
         depth), tree_depth and tree_nodes (nodes per target pass) fix the tree's shape where given,
-        and the cost model picks the rest."""
+        and the cost model picks the rest.
+        exact (greedy only; default: the Engine's, for greedy requests): every target pass is one whose logits are bit-identical
+        to plain decoding's (sizes measured once per machine, exactness.py), so the output is plain
+        decoding's token for token, whatever the method; needs a target loaded with exact=True on llama.cpp."""
         params = self.check(method=method, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_k=top_k, top_p=top_p, stop=stop, tree_width=tree_width, tree_depth=tree_depth,
                             tree_nodes=tree_nodes)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
+        exact = (self.exact and params.greedy) if exact is None else exact  # the Engine's default: greedy requests
+        if exact and not params.greedy:
+            raise SpecDecodeError("exact mode is for greedy decoding (temperature 0); sampled decoding is exact in "
+                                  "distribution already")
+        limits = exactness.limits(self.target, self.progress) if exact else None
         m = METHOD_TABLE[method]
         request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens)
         drafter = m.make_drafter(self, request)
@@ -287,6 +293,8 @@ class Engine:
         stats = Stats(method=method, gamma=gamma if m.uses_gamma else 0, prompt_tokens=len(prompt_ids))
         depth_cap = gamma  # what one step may draft: a chain's length; a tree drafter's own depth cap
         if m.planned:
+            if limits is not None:  # plan within the exact pass sizes
+                drafter.limit(max(limits.max_guesses, 1), chains_only=not limits.trees)
             depth_cap = drafter.max_depth
         if m.uses_cost_model:
             stats.plain_step_s = self.costs.t(1, len(prompt_ids))
@@ -298,7 +306,7 @@ class Engine:
             stats.lookup_sources = ["context"]
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
-                                   generator=generator, stats=stats)
+                                   generator=generator, stats=stats, exact=limits)
         if self.history is not None:
             steps = self._remember(prompt_ids, steps)
         return TextStream(self, steps, stats, stops)

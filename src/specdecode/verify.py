@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from .sampling import probs_from_logits, sample
 
 
 def verify(
@@ -139,3 +139,16 @@ def verify_greedy(best: list[int], tokens: list[int], parents: list[int]) -> tup
             return path, want
         path.append(child)
         at = child
+
+
+def verdict(logits: torch.Tensor, draft, params, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """The target's verdict on a drafters.Draft (sampling.SamplingParams params), from its logits after the root and each drafted node: the accepted
+    nodes (a branch, root side first) and the token that follows them (a correction or the bonus)."""
+    if params.greedy and draft.q is None:  # one-hot p and q: the rule reduces to following the argmax
+        return verify_greedy(logits.argmax(-1).tolist(), draft.tokens, draft.tree_parents)
+    if draft.parents is None:  # a chain: the batched rule
+        p = probs_from_logits(logits, params)  # [n+1, V]
+        q = None if draft.q is None else draft.q[None]
+        accepted, bonus = verify(p[None], q, torch.tensor([draft.tokens], dtype=torch.long), generator)
+        return list(range(int(accepted[0]))), int(bonus[0])
+    return verify_tree(probs_from_logits(logits, params), draft.tokens, draft.parents, draft.q, generator)

@@ -37,6 +37,7 @@ class LM(Protocol):
     max_tree_nodes: int | None = None  # the most tree nodes its cache holds at once (llama.cpp: 255); None: no cap
     quant_info: dict | None = None  # the draft requantization chosen at loading (llama.cpp); None: the file as is
     hf_model = None  # the Hugging Face model behind it (torch), for transformers' own generation; None: none
+    exact: bool = False  # loaded so that passes can be bit-exact (exactness.py measures which); llama.cpp: exact=True
 
     def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
         """Append new_ids to the cache in one pass; float32 logits [n, V] (the last row only with

@@ -30,6 +30,7 @@ from .base import LM
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree pass holds at most 255 nodes
 N_BATCH = 512  # tokens per llama_decode call (a longer causal feed is split)
 MAX_CTX = 32768  # default context cap
+PARK = MAX_SEQ - 1  # exact mode: the sequence id that holds parked cells (seen by no query)
 # The context starts with this many cells and doubles when a generation needs more (reserve): with
 # attention computed without flash attention, values are stored transposed with a row stride of the
 # cell count, so a 33k-cell context made each decode step at 1,400 tokens ~15% slower than a 4k one
@@ -92,18 +93,30 @@ class LlamaLM(LM):
     max_tree_nodes = MAX_SEQ - 1  # sequence 0 is the trunk: one sequence id per tree node
 
     def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None, exact: bool = False,
-                 flash_attn: int | None = None):
-        """exact: keys and values in F32 and flash attention off (slower): logits then no longer depend on
+                 repack: bool = True, f32_kv: bool = False, flash_attn: int | None = None):
+        """exact: passes can compute each token's logits bit for bit as a pass of that token alone would
+        (specdecode's exact greedy mode): flash attention on (its kernel works one query row at a time; the
+        plain attention's matrix products change kernels with the pass size) and tree nodes that were not
+        accepted but sit before an accepted one kept as parked cells (attention sums cells in cache order, so
+        later text must not fill those holes). Which pass sizes stay exact is measured (exactness.py): with
+        repacked weights (repack, llama.cpp's default) a group of 4 tokens takes another kernel, so passes of
+        1-3 tokens; with repack=False, 1-7 (K-quants go tiled from 8 unless GGML_CPU_TILED_MM=0), but
+        slower (measured on a Zen 4: a 1-token pass 35 -> 44-53 ms).
+        f32_kv: keys and values in F32 and flash attention off (slower): logits then no longer depend on
         where in the cache a token's entry sits, so rollbacks can be checked to ~1e-6 (certify does).
         flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: off, as llama-cpp-python's Llama runs plain decoding:
-        measured on a 2-vCPU Zen 4, a decode step at 1,400 tokens took 47 ms with it off against 51 ms
-        with llama.cpp's auto, which turns it on)."""
+        measured on a 2-vCPU Zen 4, a decode step at 1,400 tokens: 47 ms off, 51 ms with llama.cpp's auto)."""
         lc = self._lc = _lib()
         self.path = Path(path)
         if not self.path.is_file():
             raise SpecDecodeError(f"GGUF file not found: {self.path}")
+        if exact and f32_kv:
+            raise SpecDecodeError("exact (flash attention on) and f32_kv (flash attention off) exclude each other")
+        self.exact = bool(exact)
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = repack  # repacked weights (llama.cpp's default): a gemm per group of 4 tokens
+        self.repack = repack
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise SpecDecodeError(f"llama.cpp could not load {self.path} (is the file complete and a GGUF model "
@@ -124,6 +137,9 @@ class LlamaLM(LM):
         cparams.no_perf = True
         cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED if flash_attn is None else flash_attn
         if exact:
+            cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            self.max_tree_nodes = MAX_SEQ - 2  # one more sequence id holds the parked cells
+        if f32_kv:
             cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
             cparams.type_k = cparams.type_v = lc.GGML_TYPE_F32
         self._cparams = cparams
@@ -151,7 +167,7 @@ class LlamaLM(LM):
         """F16 keys/values under flash attention round by where an entry sits in the cache, and a quantized
         28-layer model turns that into ~0.4 in a logit; an F32, no-flash context of the same file isolates
         the cache bookkeeping (the engine's own context is the default one)."""
-        return LlamaLM(self.path, n_ctx=max_length, threads=self.threads, exact=True)
+        return LlamaLM(self.path, n_ctx=max_length, threads=self.threads, f32_kv=True, repack=self.repack)
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)
@@ -163,7 +179,8 @@ class LlamaLM(LM):
         st = self.path.stat()
         return "|".join(["llama.cpp", getattr(self._lc, "__version__", "?"), str(self.path.resolve()), str(st.st_size),
                          str(st.st_mtime_ns), self.dtype, str(self.threads),
-                         f"fa{self._cparams.flash_attn_type}-ctx{FIRST_CTX}"])
+                         f"fa{self._cparams.flash_attn_type}-ctx{FIRST_CTX}" + ("-exact" if self.exact else "")
+                         + ("" if self.repack else "-norepack")])
 
     def synchronize(self) -> None:
         self._lc.llama_synchronize(self._ctx)
@@ -200,7 +217,7 @@ class LlamaLM(LM):
         them, up to max_length. Cheap on an empty cache (a new context); with cached text, that text is
         read again (once per doubling)."""
         n = min(n, self.max_length)
-        if n + MAX_SEQ <= self._cells:
+        if n + MAX_SEQ + self._parked <= self._cells:
             return
         cells = min(self.max_length, FIRST_CTX)
         while cells < n:
@@ -221,6 +238,9 @@ class LlamaLM(LM):
         self.pos: list[int] = []  # for tree entries: position (trunk length + depth - 1)
         self.seq: list[int] = []  # for tree entries: the entry's own sequence id
         self._free = list(range(MAX_SEQ - 1, 0, -1))  # unused sequence ids (pop from the end)
+        if self.exact:
+            self._free.remove(PARK)
+        self._parked = 0  # cells held by PARK (exact): rejected tree nodes below an accepted one
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -242,10 +262,11 @@ class LlamaLM(LM):
         if not n:
             raise ValueError("forward needs at least one token")
         start = len(self.ids)
-        if start + n > self._cells and start + n <= self.max_length + MAX_SEQ and self.trunk == start:
+        if start + n + self._parked > self._cells and start + n <= self.max_length + MAX_SEQ and self.trunk == start:
             self.reserve(start + n)
-        if start + n > self._cells:
-            raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens > {self._cells} cache cells")
+        if start + n + self._parked > self._cells:
+            raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens (+ {self._parked} parked cells) "
+                                  f"> {self._cells} cache cells")
         bad = [t for t in new_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {self.vocab_size}")
@@ -361,6 +382,13 @@ class LlamaLM(LM):
         if branch:  # the accepted branch joins sequence 0 at the positions it was computed at
             last = branch[-1]
             lc.llama_memory_seq_cp(self._mem, self._seq_of(last), 0, self.trunk, self._position(last) + 1)
+            if self.exact:  # a rejected node below the last accepted one keeps its cell, under PARK
+                kept = set(branch)
+                for i in range(self.trunk, last):
+                    if i not in kept:
+                        p = self._position(i)
+                        lc.llama_memory_seq_cp(self._mem, self._seq_of(i), PARK, p, p + 1)
+                        self._parked += 1
         for sid in self.seq:
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
             self._free.append(sid)

@@ -119,9 +119,10 @@ def load_draft_lm(spec: str, backend: str | None = None, *, quant: str | None = 
 
 
 def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, device: str | None = None,
-            progress: bool = True, threads: int | None = None, quant: str | None = None):
+            progress: bool = True, threads: int | None = None, quant: str | None = None, exact: bool = False):
     """(model, tokenizer, backend): on torch an HF model; on llama.cpp a llamacpp.LlamaLM that reads
     the GGUF file directly (no conversion), with the tokenizer read from the same file.
+    exact (llama.cpp): load it for exact greedy mode (LlamaLM's exact: flash attention on, no repacking).
     quant (llama.cpp only, for a draft model): "auto" runs whichever of the file and its Q4_0/Q8_0
     requantizations is fastest here (measured once, cached); "Q4_0"/"Q8_0" force one; None/"none" keep the file."""
     if quant is not None and quant not in DRAFT_QUANT_CHOICES:
@@ -146,7 +147,7 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
     elif quant not in (None, "none"):
         from .quantize import requantize
         gguf, info = requantize(gguf, quant, threads), {"chosen": quant}
-    lm = LlamaLM(gguf, threads=threads)
+    lm = LlamaLM(gguf, threads=threads, exact=exact)
     lm.quant_info = info
     if spec in BUILTIN:  # the GGUF metadata carries one EOS; the chat models end documents with a second
         lm.eos_token_ids |= set(BUILTIN[spec].eos_token_ids)

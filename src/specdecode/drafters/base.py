@@ -8,7 +8,7 @@ the drafted nodes `path` (the accepted branch) and then the token `bonus` are wh
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -31,6 +31,20 @@ class Draft:
     @property
     def tree_parents(self) -> list[int]:
         return list(range(-1, len(self.tokens) - 1)) if self.parents is None else self.parents
+
+    def prefix(self, n: int, chain: bool = False) -> "Draft":
+        """The first n nodes (a tree's nodes come parents first, so they are a tree again); with chain,
+        only the chain that runs from the root through nodes 0, 1, 2, ... Node indices are unchanged."""
+        if chain and self.parents is not None:
+            m = 0
+            while m < len(self.parents) and self.parents[m] == m - 1:
+                m += 1
+            n = min(n, m)
+        if n >= len(self.tokens) and (self.parents is None or not chain):
+            return self
+        parents = None if self.parents is None or chain else self.parents[:n]
+        return replace(self, tokens=self.tokens[:n], q=None if self.q is None else self.q[:n], parents=parents,
+                       sources=None if self.sources is None else self.sources[:n])
 
     @property
     def depth(self) -> int:

@@ -85,6 +85,13 @@ class TreeDrafter:
         self.kept: list[Node] = []  # the nodes sent to the target, in Draft order
         self.spent = 0.0  # modelled draft seconds of the current step
 
+    def limit(self, nodes: int, chains_only: bool) -> None:
+        """At most `nodes` guesses per pass (exact mode's pass sizes), one child per node if chains_only."""
+        self.max_nodes = min(self.max_nodes, nodes)
+        self.max_depth = min(self.max_depth, nodes)
+        if chains_only:
+            self.chains_only, self.width = True, 1
+
     def reset(self) -> None:
         if self.model is not None:
             self.model.reset()

@@ -272,9 +272,12 @@ def serve(args) -> None:
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=wants_draft_model([args.method]) or args.draft is not None,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, datastore=args.datastore, history_tokens=args.history_tokens)
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore, history_tokens=args.history_tokens)
     if uses_cost_model(args.method):
         engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
+    if args.exact:
+        from ..exactness import limits
+        limits(engine.target, progress=True)  # measure the exact pass sizes now (once per machine)
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout)
     if not _is_loopback(args.host) and api_key is None:

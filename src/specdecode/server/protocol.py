@@ -40,6 +40,8 @@ class Speculation(BaseModel):
     tree_width: int | None = Field(None, le=MAX_TREE, description="tree: children per node (default: cost model)")
     tree_depth: int | None = Field(None, le=MAX_GAMMA, description="tree: depth (default: cost model)")
     tree_nodes: int | None = Field(None, le=MAX_TREE, description="tree: nodes per pass (default: cost model)")
+    exact: bool | None = Field(None, description="exact greedy mode: output bit-for-bit plain decoding's (default: "
+                               "the server's --exact); needs a server started with --exact and temperature 0")
 
 
 class StreamOptions(BaseModel):
@@ -291,6 +293,7 @@ class APIError(Exception):
 # The request field an Engine message is about: the Engine names its own arguments in its messages.
 # Checked in order; the first match wins.
 _ENGINE_FIELDS = [
+    (r"^exact mode\b", "speculation.exact"),
     (r"applies to method", "speculation"),  # a tree dimension with another method: the two fields together
     (r"\btree_width\b", "speculation.tree_width"),
     (r"\btree_depth\b", "speculation.tree_depth"),

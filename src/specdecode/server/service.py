@@ -111,7 +111,7 @@ class Service:
                       max_new_tokens=max_tokens, temperature=0.0 if body.temperature is None else body.temperature,
                       top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                       seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop, chat=chat,
-                      **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes")
+                      **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes", "exact")
                          if getattr(spec, k) is not None})
         param = "messages" if chat else "prompt"
         try:

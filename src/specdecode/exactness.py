@@ -1,0 +1,120 @@
+"""Exact greedy mode: which target passes compute every token's logits bit for bit as plain decoding does.
+
+A matrix kernel may change with the number of rows it is given (llama.cpp: repacked weights take
+groups of 4 tokens and leftovers one by one, K-quants switch to a tiled kernel from 8 tokens, the
+attention without flash attention multiplies whole matrices; torch: oneDNN/MKL pick kernels by row
+count). Then a token verified in a pass of k tokens gets logits a rounding away from the ones plain
+decoding computes, and a near-tie can fall the other way. Which pass sizes keep every row identical is a
+property of the machine, the build and the model file, so it is measured here, not assumed: the logits
+of a 1-token-at-a-time decoding against the same tokens fed k at a time, for k = 2, 3, ... until a row
+differs in one bit; then a tree pass whose accepted branch leaves a rejected node below it, followed by
+more plain steps. The result is cached per model and machine (LM.describe()).
+
+Exact mode (Engine(..., exact=True), --exact) then never feeds the target a pass longer than
+`max_pass` tokens and uses trees only if `trees`; every token it emits is the argmax of logits bit-identical
+to plain decoding's, so the greedy output equals plain decoding's token for token.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .errors import SpecDecodeError
+from .machine import cache_dir
+
+FORMAT = 1
+PROMPT, STEPS, MAX_SIZE = 48, 16, 16
+
+
+@dataclass(frozen=True)
+class ExactLimits:
+    max_pass: int  # the largest pass (the root token plus guesses) whose rows all equal plain decoding's bits
+    trees: bool  # a tree pass, its acceptance (a rejected node below the accepted one) and the steps after are exact
+    checked: str = ""  # what was measured, for reports
+
+    @property
+    def max_guesses(self) -> int:
+        return self.max_pass - 1
+
+
+def _plain(lm, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens after prompt, one pass each: (tokens, logits after each [n, V])."""
+    lm.reset()
+    out = lm.forward(prompt, last_only=True)
+    ids, rows = [], []
+    for _ in range(n):
+        t = int(out[-1].argmax())
+        ids.append(t)
+        out = lm.forward([t])
+        rows.append(out[0].clone())
+    return ids, torch.stack(rows)
+
+
+def _chunked(lm, prompt: list[int], ids: list[int], k: int) -> torch.Tensor:
+    lm.reset()
+    lm.forward(prompt, last_only=True)
+    return torch.cat([lm.forward(ids[a:a + k]) for a in range(0, len(ids), k)])
+
+
+def _tree_rounds(lm, prompt: list[int], ids: list[int], size: int) -> torch.Tensor:
+    """Rows of ids fed as trees of `size` nodes (size >= 3): root, a decoy child, the true child (and,
+    with room, true grandchildren); the true branch is accepted, the decoy below it rejected; then the
+    rest one token at a time."""
+    lm.reset()
+    lm.forward(prompt, last_only=True)
+    rows, i = [], 0
+    depth = size - 2  # true tokens after the root
+    while i + depth + 1 <= len(ids) - 2:
+        P = len(lm.ids)
+        decoy = (ids[i + 1] + 1) % lm.vocab_size
+        toks = [ids[i], decoy] + ids[i + 1:i + 1 + depth]
+        parents = [P - 1, P, P] + [P + 2 + a for a in range(depth - 1)]
+        out = lm.forward(toks, parents=parents)
+        rows += [out[0]] + [out[2 + a] for a in range(depth)]
+        lm.rollback(P + 1, [P + 2 + a for a in range(depth)])
+        i += depth + 1
+    for t in ids[i:]:
+        rows.append(lm.forward([t])[0])
+    return torch.stack(rows)
+
+
+def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE) -> ExactLimits:
+    """Measure the exact pass sizes of this LM (a few seconds: about (max_pass + 2) short decodings)."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, min(lm.vocab_size, 30000), (PROMPT,), generator=g).tolist()
+    ids, ref = _plain(lm, prompt, steps)
+    max_pass = 1
+    for k in range(2, max_size + 1):
+        if not torch.equal(_chunked(lm, prompt, ids, k), ref):
+            break
+        max_pass = k
+    trees = max_pass >= 3 and lm.tree_error() is None and torch.equal(
+        _tree_rounds(lm, prompt, ids, min(max_pass, 5)), ref)
+    lm.reset()
+    return ExactLimits(max_pass, bool(trees), f"{steps} greedy steps after {PROMPT} random tokens, passes of "
+                       f"2..{max_size} tokens and trees of {min(max_pass, 5)} nodes, compared bit for bit")
+
+
+def limits(lm, progress: bool = False) -> ExactLimits:
+    """The measured ExactLimits of this LM, read from the cache or measured once and stored."""
+    if not getattr(lm, "exact", False):
+        raise SpecDecodeError(f"exact mode needs a target loaded for it ({lm.backend} model {lm.name}: load it with "
+                              "exact=True / --exact; on llama.cpp that turns flash attention on and weight repacking "
+                              "off)")
+    key = hashlib.sha256(f"{FORMAT}|{lm.describe()}".encode()).hexdigest()[:16]
+    path = cache_dir() / "exact" / f"{key}.json"
+    try:
+        return ExactLimits(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    if progress:
+        print("[specdecode] measuring which pass sizes are bit-exact on this machine (once)...", flush=True)
+    found = measure(lm)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(found)))
+    tmp.replace(path)
+    return found

@@ -1,0 +1,161 @@
+"""Exact greedy mode (exactness.py, Engine(exact=True), --exact): every logits row the verifier reads is
+bit-identical to plain decoding's, on llama.cpp's quantized kernels (tiny GGUFs requantized to Q4_0, Q8_0 and
+Q4_K_M, so the repacked and K-quant paths run) and on torch; our plain decoding equals llama-cpp-python's own
+greedy generation; and the negative controls: passes past the measured sizes, and trees without parked
+cells, do change bits, so the comparison can see what exact mode prevents."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode import Engine, SpecDecodeError, exactness
+from specdecode.certify import _recorded, check_greedy
+from specdecode.drafters import Draft
+from tiny import byte_tokenizer, tiny_model
+
+METHODS = ["draft", "pld", "tree", "auto", "lookup"]
+PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat; the cat sat on the"]
+TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    """Tiny GGUFs (hidden 256: K-quant blocks fit) in F32 and requantized."""
+    pytest.importorskip("llama_cpp")
+    from tinygguf import write_tiny_gguf
+    from specdecode.backends.llamacpp import _lib
+    lc = _lib()
+    d = tmp_path_factory.mktemp("exact")
+    src = write_tiny_gguf(d / "tiny-F32.gguf", 0, hidden=256)
+    out = {"F32": src}
+    for name, ftype in TYPES.items():
+        p = lc.llama_model_quantize_default_params()
+        p.ftype, p.nthread = ftype, 1
+        dst = d / f"tiny-{name}.gguf"
+        assert lc.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) == 0
+        out[name] = dst
+    return out
+
+
+def engine_on(path: Path, exact: bool = True) -> Engine:
+    """Target loaded for exact mode; the draft is the same file on a default context (high acceptance, so
+    passes of every allowed size run)."""
+    from specdecode.backends.llamacpp import LlamaLM
+    tok = byte_tokenizer()
+    return Engine(LlamaLM(path, threads=1, exact=exact), tok, LlamaLM(path, threads=1), tok, exact=exact)
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+def test_every_method_reads_plain_decodings_bits(ggufs, qtype):
+    engine = engine_on(ggufs[qtype])
+    limits = exactness.limits(engine.target)
+    assert 1 <= limits.max_pass <= exactness.MAX_SIZE
+    longest = 0
+    for prompt in PROMPTS:
+        plain, rows = _recorded(engine, prompt, "autoregressive", NEW)
+        for m in METHODS:
+            r = check_greedy(engine, prompt, m, NEW, plain.token_ids, rows)
+            assert r["identical"] and r["passed"], (qtype, m, r)
+            assert r["bit_identical"] == r["positions_compared"] == len(plain.token_ids), (qtype, m, r)
+        longest = max(longest, engine.generate(prompt, method="draft", gamma=8, max_new_tokens=NEW).stats.accepted)
+    assert longest > 0  # guesses were accepted: passes of several tokens ran
+
+
+def test_negative_control_passes_past_the_measured_size_change_bits(ggufs, monkeypatch):
+    """Q4_K_M: a pass longer than the measured size takes another kernel (repacked groups of 4 on x86);
+    allowing 16-token passes must show up as rows that are not bit-identical."""
+    engine = engine_on(ggufs["Q4_K_M"])
+    limits = exactness.limits(engine.target)
+    if limits.max_pass >= exactness.MAX_SIZE:
+        pytest.skip(f"every pass up to {exactness.MAX_SIZE} tokens is exact on this machine: nothing to control")
+    monkeypatch.setattr(exactness, "limits", lambda lm, progress=False: exactness.ExactLimits(16, True))
+    differs = 0
+    for prompt in PROMPTS:
+        plain, rows = _recorded(engine, prompt, "autoregressive", NEW)
+        r = check_greedy(engine, prompt, "draft", NEW, plain.token_ids, rows)
+        differs += r["positions_compared"] - r["bit_identical"]
+        assert not r["passed"]  # exact mode: any differing bit fails the check
+    assert differs > 0
+
+
+def test_parked_cells_keep_trees_exact_and_their_control(ggufs):
+    """After a tree pass whose accepted branch leaves a rejected node below it, later logits equal plain
+    decoding's only if that node's cell stays occupied (parked): without parking, later text fills the
+    hole and attention sums the cells in another order."""
+    from specdecode.backends.llamacpp import LlamaLM
+    lm = LlamaLM(ggufs["Q4_K_M"], threads=1, exact=True)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (48,), generator=g).tolist()
+    ids, ref = exactness._plain(lm, prompt, 16)
+    assert torch.equal(exactness._tree_rounds(lm, prompt, ids, 3), ref)
+    lm.exact = False  # the same context (flash attention on), parking off
+    assert not torch.equal(exactness._tree_rounds(lm, prompt, ids, 3), ref)
+
+
+def test_plain_decoding_equals_llama_cpp_pythons_own(ggufs):
+    from llama_cpp import Llama
+    from specdecode.backends.llamacpp import LlamaLM
+    path = ggufs["Q4_K_M"]
+    engine = Engine(LlamaLM(path, threads=1, exact=True), byte_tokenizer(), exact=True)
+    peer = Llama(str(path), n_ctx=512, n_threads=1, n_threads_batch=1, n_batch=512, flash_attn=True, verbose=False)
+    for prompt in PROMPTS:
+        ours = engine.generate(prompt, method="autoregressive", max_new_tokens=NEW).token_ids
+        ids = engine.encode(prompt)
+        theirs = []
+        for t in peer.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            theirs.append(t)
+            if len(theirs) == len(ours) or t in engine.eos_ids:
+                break
+        assert ours == theirs
+
+
+def test_torch_exact_mode_is_bit_identical():
+    tok = byte_tokenizer()
+    engine = Engine(tiny_model(0), tok, tiny_model(0), tok, exact=True)
+    limits = exactness.limits(engine.target)
+    assert limits.max_pass >= 1
+    for prompt in PROMPTS:
+        plain, rows = _recorded(engine, prompt, "autoregressive", NEW)
+        for m in METHODS:
+            r = check_greedy(engine, prompt, m, NEW, plain.token_ids, rows)
+            assert r["identical"] and r["bit_identical"] == r["positions_compared"], (m, r)
+
+
+def test_exact_mode_errors(ggufs):
+    from specdecode.backends.llamacpp import LlamaLM
+    tok = byte_tokenizer()
+    engine = Engine(LlamaLM(ggufs["Q4_0"], threads=1), tok)
+    with pytest.raises(SpecDecodeError, match="exact mode needs a target loaded for it"):
+        engine.generate("abc", method="autoregressive", exact=True, max_new_tokens=4)
+    exact = Engine(LlamaLM(ggufs["Q4_0"], threads=1, exact=True), tok, exact=True)
+    with pytest.raises(SpecDecodeError, match="exact mode is for greedy decoding"):
+        exact.generate("abc", method="autoregressive", exact=True, temperature=0.7, max_new_tokens=4)
+    # the Engine's default applies to greedy requests; a sampled one runs as usual
+    assert exact.generate("abc", method="pld", temperature=0.7, seed=1, max_new_tokens=4).token_ids
+    with pytest.raises(SpecDecodeError, match="exclude each other"):
+        LlamaLM(ggufs["Q4_0"], exact=True, f32_kv=True)
+
+
+def test_limits_are_cached_per_model(ggufs, monkeypatch):
+    from specdecode.backends.llamacpp import LlamaLM
+    lm = LlamaLM(ggufs["Q8_0"], threads=1, exact=True)
+    first = exactness.limits(lm)
+    monkeypatch.setattr(exactness, "measure", lambda lm: pytest.fail("measured twice"))
+    assert exactness.limits(lm) == first
+
+
+def test_draft_prefix():
+    chain = Draft([5, 6, 7], None)
+    assert chain.prefix(2).tokens == [5, 6] and chain.prefix(2).parents is None
+    assert chain.prefix(5) is chain
+    q = torch.eye(4)[:3]
+    tree = Draft([1, 2, 3, 4][:3], q, parents=[-1, -1, 0], sources=["a", "b", "c"])
+    cut = tree.prefix(2)
+    assert cut.tokens == [1, 2] and cut.parents == [-1, -1] and cut.q.shape[0] == 2 and cut.sources == ["a", "b"]
+    assert tree.prefix(3, chain=True).tokens == [1] and tree.prefix(3, chain=True).parents is None
+    deep = Draft([1, 2, 3], None, parents=[-1, 0, 1])
+    assert deep.prefix(9, chain=True).tokens == [1, 2, 3]
