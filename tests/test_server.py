@@ -190,6 +190,14 @@ def test_vanishing_temperature_and_top_p_mean_greedy(live, tiny_engine):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
 
 
+def test_exact_request_is_plain_decodings_output(live, tiny_engine):
+    ref = reference(live, tiny_engine, "abcabcabc", method="autoregressive", max_new_tokens=12)
+    for method in ("draft", "tree"):
+        r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "abcabcabc", "max_tokens": 12,
+                                                              "speculation": {"method": method, "exact": True}})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+
+
 # -- bad input: a 4xx with an OpenAI error body, and the server keeps serving ----------------------------------------
 GOOD = {"model": MODEL, "prompt": "ok", "max_tokens": 2, "speculation": {"method": "autoregressive"}}
 BAD = [
@@ -227,6 +235,9 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "magic"}}, 400, None,
      "speculation.method"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"gamma": 0}}, 400, None, "speculation.gamma"),
+    ("completions", {"model": MODEL, "prompt": "hi", "temperature": 0.7, "speculation": {"exact": True}}, 400, None,
+     "speculation.exact"),
+    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"exact": "yes"}}, 400, None, "speculation.exact"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"gamma": 1000}}, 400, None,
      "speculation.gamma"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"draft": True}}, 400, None,

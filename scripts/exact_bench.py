@@ -1,0 +1,109 @@
+"""Exact greedy mode on the default pair: is every method's output plain decoding's, token for token, and what
+does exactness cost? (issue 17)
+
+For each prompt (HumanEval's first N completions, MIT; MT-bench's first M questions as chat, Apache-2.0):
+- exact mode (flash attention on, the measured exact pass sizes): autoregressive, then every method; each
+  output compared with exact autoregressive's, token for token;
+- llama-cpp-python's own greedy generation of the same GGUF with flash attention on (the peer, same
+  settings): compared with exact autoregressive's;
+- default mode: autoregressive and auto, for the cost of exactness (wall seconds, summed over prompts).
+Writes results.json and report.md to --out. Run it on a quiet machine.
+
+    python scripts/exact_bench.py --humaneval 20 --mtbench 10 --out docs/results/issue17-exact
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from specdecode import Engine
+from specdecode.bench import cpu_description
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+EXACT_METHODS = ["auto", "draft", "pld", "tree", "lookup"]
+
+
+def prompts(n_he: int, n_mt: int) -> list[tuple[str, object]]:
+    he = [json.loads(x) for x in (DATA / "humaneval.jsonl").read_text().splitlines()[:n_he]]
+    mt = [json.loads(x) for x in (DATA / "mt_bench.jsonl").read_text().splitlines()[:n_mt]]
+    return [("humaneval", r["prompt"]) for r in he] + [("mt_bench", [{"role": "user", "content": r["turns"][0]}])
+                                                       for r in mt]
+
+
+def timed(engine, prompt, method, new):
+    t = time.perf_counter()
+    out = engine.generate(prompt, method=method, max_new_tokens=new)
+    return out, time.perf_counter() - t
+
+
+def peer_ids(llm, ids, n, eos):
+    llm.reset()
+    got = []
+    for t in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        got.append(t)
+        if len(got) >= n or t in eos:
+            break
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--humaneval", type=int, default=20)
+    ap.add_argument("--mtbench", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default="bench-out/exact")
+    a = ap.parse_args()
+    from llama_cpp import Llama
+    exact = Engine.load(exact=True, progress=False)
+    default = Engine.load(progress=False)
+    limits = __import__("specdecode.exactness", fromlist=["limits"]).limits(exact.target)
+    peer = Llama(str(exact.target.gguf_path), n_ctx=4096, n_threads=exact.target.threads,
+                 n_threads_batch=exact.target.threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
+    rows = []
+    for cat, prompt in prompts(a.humaneval, a.mtbench):
+        ids = exact.encode(prompt)
+        r = {"category": cat, "prompt_tokens": len(ids), "wall": {}, "tokens": {}, "tau": {}, "same": {}}
+        ref, r["wall"]["exact/autoregressive"] = timed(exact, prompt, "autoregressive", a.max_new_tokens)
+        r["tokens"]["exact/autoregressive"] = len(ref.token_ids)
+        theirs = peer_ids(peer, ids, len(ref.token_ids), exact.eos_ids)
+        r["same"]["peer"] = theirs == ref.token_ids
+        for m in EXACT_METHODS:
+            out, r["wall"][f"exact/{m}"] = timed(exact, prompt, m, a.max_new_tokens)
+            r["same"][m] = out.token_ids == ref.token_ids
+            r["tau"][f"exact/{m}"] = out.stats.mean_accepted_tokens
+        for m in ("autoregressive", "auto"):
+            out, r["wall"][f"default/{m}"] = timed(default, prompt, m, a.max_new_tokens)
+            r["tokens"][f"default/{m}"] = len(out.token_ids)
+            r["tau"][f"default/{m}"] = out.stats.mean_accepted_tokens
+        rows.append(r)
+        print(cat, len(ids), r["same"],
+              {k: round(v, 2) for k, v in r["wall"].items()}, flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"cpu": cpu_description(), "limits": limits.__dict__, "max_new_tokens": a.max_new_tokens, "rows": rows}
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    lines = [f"# Exact greedy mode on the default pair\n", f"{report['cpu']}\n",
+             f"Measured exact pass sizes: up to {limits.max_pass} tokens, trees {'yes' if limits.trees else 'no'}.\n",
+             "| category | prompts | all methods = exact autoregressive | exact AR = llama-cpp-python (FA on) | "
+             "exact AR / default AR (time) | exact auto / default auto | exact auto / default AR | τ exact auto | "
+             "τ default auto |", "|---|---|---|---|---|---|---|---|---|"]
+    for cat in sorted({r["category"] for r in rows}):
+        rs = [r for r in rows if r["category"] == cat]
+        w = lambda k: sum(r["wall"][k] for r in rs)  # noqa: E731
+        tau = lambda k: sum(r["tau"][k] for r in rs) / len(rs)  # noqa: E731
+        same = sum(all(r["same"][m] for m in EXACT_METHODS) for r in rs)
+        peer_same = sum(r["same"]["peer"] for r in rs)
+        lines.append(f"| {cat} | {len(rs)} | {same}/{len(rs)} | {peer_same}/{len(rs)} | "
+                     f"{w('exact/autoregressive') / w('default/autoregressive'):.3f} | "
+                     f"{w('exact/auto') / w('default/auto'):.3f} | {w('exact/auto') / w('default/autoregressive'):.3f} | "
+                     f"{tau('exact/auto'):.2f} | {tau('default/auto'):.2f} |")
+    lines.append("\nRatios are wall-time ratios summed over the category's prompts (>1: exact mode is slower). "
+                 "HumanEval: MIT; MT-bench questions: Apache-2.0.")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
