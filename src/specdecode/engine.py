@@ -45,12 +45,22 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
         drafter.reset()
     ids = list(prompt_ids)
     t = time.perf_counter()
-    if len(ids) > 1:  # prefill; ids[-1] goes into the first target pass with the first draft
+    head: list[int] = []  # exact: the first token from a prefill of the whole prompt, as plain decoding gets it
+    if exact is not None:
+        head = [int(target.forward(ids, last_only=True)[-1].argmax())]
+        ids += head
+    elif len(ids) > 1:  # prefill; ids[-1] goes into the first target pass with the first draft
         target.forward(ids[:-1], last_only=True)
-        if drafter is not None:
-            drafter.prefill(ids[:-1])
+    if drafter is not None and len(ids) > 1:
+        drafter.prefill(ids[:-1])
     stats.prefill_s += time.perf_counter() - t
-    emitted = 0
+    emitted = len(head)
+    if head:
+        stats.record(Draft([], None), 0, 1)
+        stats.new_tokens, stats.finish_reason = 1, "eos" if head[0] in eos_ids else None
+        yield head
+        if stats.finish_reason:
+            return
     while True:
         room = min(max_new_tokens - emitted, target.max_length - len(ids))
         if room <= 0:
@@ -99,18 +109,12 @@ class Engine:
     >>> out.text, out.stats.mean_accepted_tokens
     >>> for delta in engine.stream("Hello", method="pld"): print(delta, end="")
 
-    A draft model whose context (lm.max_length) is shorter than the target's drafts only while the
-    text and the draft fit in it: each step drafts at most as deep as the draft's context still holds,
-    and once it is full (or when the prompt alone does not fit) the draft model is no longer run; the
-    target goes on plainly (the tree and auto methods keep their prompt-lookup guesses) up to its own
-    context and max_new_tokens. The output is the same as ever; only the speedup ends there.
+    A draft model whose context is shorter than the target's drafts only while the text fits in it (then
+    the target goes on plainly, lookup guesses kept): the output is the same; only the speedup ends.
 
-    Each generation starts with a fresh planner (TreeState) for the tree, lookup and auto methods.
     With history_tokens > 0 the engine remembers its earlier outputs (that many tokens, least recently
-    used dropped first) and the lookup, tree and auto methods draft from them too; a tree's shape then
-    depends on what was generated before, and with bf16 or quantized models a near-tie can fall the
-    other way (never a token at a clear margin: `specdecode certify`). With history_tokens=0 (the
-    default here; `serve` remembers) output never depends on earlier requests.
+    used dropped first) and the lookup, tree and auto methods draft from them too; outside exact mode a
+    near-tie can then fall the other way (certify). history_tokens=0 (the default here; `serve` remembers).
     datastore: a directory built by `specdecode index` (same tokenizer), drafted from by the same methods.
     """
 
@@ -175,7 +179,7 @@ class Engine:
         draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab. draft_window: the
         draft model sees only about the last this many tokens (None: the whole text), see DraftModel.
         exact: load the target for exact greedy mode and make it every greedy generation's default (see
-        stream); on llama.cpp this turns flash attention on and weight repacking off for the target."""
+        stream); on llama.cpp the target then runs with flash attention on (see exactness.py)."""
         from .backends.loading import DEFAULT_DRAFT, DEFAULT_TARGET, check_draft_vocab, load_draft_lm, load_lm
         if target is None:
             target = DEFAULT_TARGET
@@ -313,7 +317,7 @@ class Engine:
 
     def _remember(self, prompt_ids: list[int], steps: Iterator[list[int]]) -> Iterator[list[int]]:
         """Pass the steps through; when the generation ends (or is stopped), store its output."""
-        out: list[int] = []
+        out = []
         try:
             for new in steps:
                 out += new
@@ -350,10 +354,8 @@ class Engine:
         table says (methods.METHOD_TABLE); None for plain decoding."""
         return METHOD_TABLE[method].make_drafter(self, DraftRequest(gamma, params, width, depth, nodes, max_new_tokens))
 
-    # the drafters of the built-in methods (methods.METHOD_TABLE names them). Every generation plans with
-    # a fresh TreeState (what the planner learns about acceptance): a tree's shape, and so in bf16 the
-    # rounding of its target pass and the side a near-tie falls on, never depends on what this Engine
-    # generated before
+    # the drafters of the built-in methods (methods.METHOD_TABLE names them). Every generation plans with a
+    # fresh TreeState: a tree's shape (so a near-tie's side) never depends on what this Engine generated before
     def _lookup_drafter(self, request: DraftRequest):
         """lookup guesses only, planned on the measured costs: no draft model"""
         return TreeDrafter(None, lookup=self._lookup(), costs=self.tree_costs(), state=TreeState(),
