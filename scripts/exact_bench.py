@@ -25,11 +25,18 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 EXACT_METHODS = ["auto", "draft", "pld", "tree", "lookup"]
 
 
-def prompts(n_he: int, n_mt: int) -> list[tuple[str, object]]:
+def prompts(n_he: int, n_mt: int, long_path: str | None = None, n_long: int = 0) -> list[tuple[str, object]]:
     he = [json.loads(x) for x in (DATA / "humaneval.jsonl").read_text().splitlines()[:n_he]]
     mt = [json.loads(x) for x in (DATA / "mt_bench.jsonl").read_text().splitlines()[:n_mt]]
-    return [("humaneval", r["prompt"]) for r in he] + [("mt_bench", [{"role": "user", "content": r["turns"][0]}])
-                                                       for r in mt]
+    out = [("humaneval", r["prompt"]) for r in he] + [("mt_bench", [{"role": "user", "content": r["turns"][0]}])
+                                                      for r in mt]
+    if long_path:  # scripts/longprompt_devset.py's rows: the first n_long of each category
+        seen: dict[str, int] = {}
+        for r in map(json.loads, Path(long_path).expanduser().read_text().splitlines()):
+            seen[r["category"]] = seen.get(r["category"], 0) + 1
+            if seen[r["category"]] <= n_long:
+                out.append((r["category"], [{"role": "user", "content": r["turns"][0]}]))
+    return out
 
 
 def timed(engine, prompt, method, new):
@@ -54,6 +61,9 @@ def main() -> None:
     ap.add_argument("--mtbench", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default="bench-out/exact")
+    ap.add_argument("--longprompt", default=None, help="a long-prompt dev set (scripts/longprompt_devset.py)")
+    ap.add_argument("--long", type=int, default=0, help="prompts per category of --longprompt")
+    ap.add_argument("--methods", default=",".join(EXACT_METHODS), help="methods run in exact mode")
     a = ap.parse_args()
     from llama_cpp import Llama
     exact = Engine.load(exact=True, progress=False)
@@ -62,14 +72,15 @@ def main() -> None:
     peer = Llama(str(exact.target.gguf_path), n_ctx=4096, n_threads=exact.target.threads,
                  n_threads_batch=exact.target.threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
     rows = []
-    for cat, prompt in prompts(a.humaneval, a.mtbench):
+    methods = a.methods.split(",")
+    for cat, prompt in prompts(a.humaneval, a.mtbench, a.longprompt, a.long):
         ids = exact.encode(prompt)
         r = {"category": cat, "prompt_tokens": len(ids), "wall": {}, "tokens": {}, "tau": {}, "same": {}}
         ref, r["wall"]["exact/autoregressive"] = timed(exact, prompt, "autoregressive", a.max_new_tokens)
         r["tokens"]["exact/autoregressive"] = len(ref.token_ids)
         theirs = peer_ids(peer, ids, len(ref.token_ids), exact.eos_ids)
         r["same"]["peer"] = theirs == ref.token_ids
-        for m in EXACT_METHODS:
+        for m in methods:
             out, r["wall"][f"exact/{m}"] = timed(exact, prompt, m, a.max_new_tokens)
             r["same"][m] = out.token_ids == ref.token_ids
             r["tau"][f"exact/{m}"] = out.stats.mean_accepted_tokens
@@ -86,6 +97,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(report, indent=1))
     lines = [f"# Exact greedy mode on the default pair\n", f"{report['cpu']}\n",
              f"Measured exact pass sizes: up to {limits.max_pass} tokens, trees {'yes' if limits.trees else 'no'}.\n",
+             f"Methods in exact mode: {', '.join(methods)}.\n",
              "| category | prompts | all methods = exact autoregressive | exact AR = llama-cpp-python (FA on) | "
              "exact AR / default AR (time) | exact auto / default auto | exact auto / default AR | τ exact auto | "
              "τ default auto |", "|---|---|---|---|---|---|---|---|---|"]
@@ -93,7 +105,7 @@ def main() -> None:
         rs = [r for r in rows if r["category"] == cat]
         w = lambda k: sum(r["wall"][k] for r in rs)  # noqa: E731
         tau = lambda k: sum(r["tau"][k] for r in rs) / len(rs)  # noqa: E731
-        same = sum(all(r["same"][m] for m in EXACT_METHODS) for r in rs)
+        same = sum(all(r["same"][m] for m in methods) for r in rs)
         peer_same = sum(r["same"]["peer"] for r in rs)
         lines.append(f"| {cat} | {len(rs)} | {same}/{len(rs)} | {peer_same}/{len(rs)} | "
                      f"{w('exact/autoregressive') / w('default/autoregressive'):.3f} | "
