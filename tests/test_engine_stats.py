@@ -38,6 +38,8 @@ ENGINE_STATS_N=20000 takes about 4 (and the chi-square then detects only biases 
 """
 from __future__ import annotations
 
+import importlib
+
 import os
 import pickle
 import random
@@ -52,6 +54,7 @@ import torch
 from transformers.cache_utils import Cache
 
 import specdecode.engine as engine_mod
+verify_mod = importlib.import_module("specdecode.verify")  # noqa: E402  (verify.verdict calls verify, verify_tree from here; `specdecode.verify` the attribute is the function)
 from specdecode import Engine, SamplingParams
 from specdecode.planning.costs import CostModel
 from specdecode.backends import CachedLM
@@ -529,14 +532,14 @@ def prune_drawn_nodes(self, params):
 
 def _wrong(monkeypatch, control: str):
     if control == "accept_everything":
-        monkeypatch.setattr(engine_mod, "verify", accept_everything)
+        monkeypatch.setattr(verify_mod, "verify", accept_everything)
     elif control == "residual_is_p":
-        monkeypatch.setattr(engine_mod, "verify", residual_is_p)
+        monkeypatch.setattr(verify_mod, "verify", residual_is_p)
     elif control == "no_residual_update":  # siblings tried against p itself (test_verify_tree's control)
-        monkeypatch.setattr(engine_mod, "verify_tree", no_residual_update("p"))
-        monkeypatch.setattr(engine_mod, "verify", residual_is_p)  # (chains in a tree method)
+        monkeypatch.setattr(verify_mod, "verify_tree", no_residual_update("p"))
+        monkeypatch.setattr(verify_mod, "verify", residual_is_p)  # (chains in a tree method)
     elif control == "full_q":  # drafts from the truncated q but verifies with the whole draft's softmax
-        monkeypatch.setattr(engine_mod, "verify", with_full_q)
+        monkeypatch.setattr(verify_mod, "verify", with_full_q)
     elif control == "prune_drawn_nodes":
         monkeypatch.setattr(TreeDrafter, "_select", prune_drawn_nodes)
     else:

@@ -21,6 +21,8 @@ a 1-token pass of these models took 260 ms with 2 threads against 0.15 ms with o
 """
 from __future__ import annotations
 
+import importlib
+
 import os
 import random
 import subprocess
@@ -34,7 +36,8 @@ import torch
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs llama-cpp-python (not installed)")
 
-import specdecode.engine as engine_mod  # noqa: E402
+import specdecode.engine as engine_mod
+verify_mod = importlib.import_module("specdecode.verify")  # noqa: E402  (verify.verdict calls verify, verify_tree from here; `specdecode.verify` the attribute is the function)
 import tinygguf  # noqa: E402
 from specdecode import Engine, SamplingParams, SpecDecodeError  # noqa: E402
 from specdecode.cli import main  # noqa: E402
@@ -772,7 +775,7 @@ def test_sampled_draft_chain_keeps_the_target_distribution(near_engine, law, mon
     assert p1 > ALPHA, p1
     # negative controls: the same harness with a wrong verifier must fail
     for wrong in (accept_everything, residual_is_p):
-        monkeypatch.setattr(engine_mod, "verify", wrong)
+        monkeypatch.setattr(verify_mod, "verify", wrong)
         bad, _ = sampled_pairs(near_engine, N_CONTROL, "draft", seed0=10 ** 6, gamma=2)
         p_bad = gof_pvalue(bad, law)
         assert p_bad < ALPHA, (wrong.__name__, p_bad)
@@ -789,7 +792,7 @@ def test_sampled_tree_keeps_the_target_distribution(near_engine, law, monkeypatc
     p1 = gof_pvalue(counts.sum(1), law.sum(1))
     assert p1 > ALPHA, p1
     # negative control: siblings tried against p itself, never the residual (test_verify_tree's control)
-    monkeypatch.setattr(engine_mod, "verify_tree", no_residual_update("p"))
+    monkeypatch.setattr(verify_mod, "verify_tree", no_residual_update("p"))
     bad, _ = sampled_pairs(near_engine, N_CONTROL, "tree", seed0=10 ** 6, **kw)
     p_bad = gof_pvalue(bad, law)
     assert p_bad < ALPHA, p_bad
