@@ -18,7 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from specdecode import Engine
+from specdecode import Engine, exactness
 from specdecode.bench import cpu_description
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -68,7 +68,7 @@ def main() -> None:
     from llama_cpp import Llama
     exact = Engine.load(exact=True, progress=False)
     default = Engine.load(progress=False)
-    limits = __import__("specdecode.exactness", fromlist=["limits"]).limits(exact.target)
+    limits = exact.exact_limits()
     peer = Llama(str(exact.target.gguf_path), n_ctx=4096, n_threads=exact.target.threads,
                  n_threads_batch=exact.target.threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
     rows = []

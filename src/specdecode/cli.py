@@ -179,8 +179,8 @@ def _backend_args(parser) -> None:
                         help="the datastore whose token frequencies choose --draft-vocab's tokens")
     parser.add_argument("--exact", action="store_true",
                         help="exact greedy mode: every token's logits bit-identical to plain decoding's, so the output "
-                             "is plain decoding's token for token (llama.cpp: flash attention on, no weight repacking, "
-                             "passes kept to the sizes measured exact here; see the README)")
+                             "is plain decoding's token for token (llama.cpp: flash attention on; passes kept to the sizes "
+                             "measured exact here; see the README)")
     parser.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
                         help=f"the draft model sees about the last N tokens of the text (default {DRAFT_WINDOW}; 0: all "
                              "of it): on a long prompt it reads a window, not the whole prompt; the output is the same")

@@ -16,10 +16,9 @@ from .backends import LM, as_lm
 from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, tokenizer_fingerprint)
 from .errors import SpecDecodeError
-from . import exactness
-from .exactness import ExactLimits
+from .exactness import ExactLimits, limits as measured_exact_limits
 from .methods import METHOD_TABLE, DraftRequest, get_method, method_names
-from .sampling import SamplingParams, probs_from_logits
+from .sampling import SamplingParams
 from .stats import Generation, Stats
 from .textstream import TextStream
 from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
@@ -134,6 +133,7 @@ class Engine:
             self.draft_model = DraftModel(draft_model, self.vocab_size, draft_window)
         self.eos_ids = self.target.eos_token_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
+        self._exact_limits = None  # exact mode's ExactLimits, likewise
         self.progress = True
         self.history = History(history_tokens) if history_tokens else None
         self.datastore = None
@@ -211,6 +211,11 @@ class Engine:
     def backend(self) -> str:
         return self.target.backend
 
+    def exact_limits(self) -> ExactLimits:
+        """Exact mode's pass sizes for this target: measured once per machine (cached on disk), read once here."""
+        self._exact_limits = self._exact_limits or measured_exact_limits(self.target, self.progress)
+        return self._exact_limits
+
     def tree_costs(self):
         """The tree method's CostModel: pass costs measured once per machine and models (cached on disk)."""
         if self.costs is None:
@@ -262,17 +267,14 @@ class Engine:
         """An iterator of text deltas (never splitting a character or leaking a stop string);
         after it is exhausted, .result holds the Generation.
 
-        method="auto" (the default): each step the cost model measured for this backend on this
-        machine picks plain decoding, prompt lookup, a draft chain or a tree, whichever it expects to
-        give the most tokens per second (the draft model only where it could ever pay); chains only
-        where a model cannot run token trees (sliding-window layers, an attention implementation other
-        than sdpa or eager), for which method="tree" is an error before any model work.
-        method="tree": gamma is not used; tree_width (children per node and frontier nodes per
-        depth), tree_depth and tree_nodes (nodes per target pass) fix the tree's shape where given,
-        and the cost model picks the rest.
-        exact (greedy only; default: the Engine's, for greedy requests): every target pass is one whose logits are bit-identical
-        to plain decoding's (sizes measured once per machine, exactness.py), so the output is plain
-        decoding's token for token, whatever the method; needs a target loaded with exact=True on llama.cpp."""
+        method="auto" (the default): each step the cost model measured here picks plain decoding, prompt
+        lookup, a draft chain or a tree, whichever should give the most tokens per second (the draft model
+        only where it could ever pay; chains only where a model cannot run trees: sliding-window layers,
+        attention other than sdpa/eager, where method="tree" is an error before any model work).
+        method="tree": gamma unused; tree_width (children per node and frontier nodes per depth),
+        tree_depth and tree_nodes (nodes per pass) fix the shape where given, the cost model the rest.
+        exact (greedy only; default: the Engine's, for greedy requests): every target pass is one whose
+        logits are bit-identical to plain decoding's (exactness.py): plain decoding's output, token for token."""
         params = self.check(method=method, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_k=top_k, top_p=top_p, stop=stop, tree_width=tree_width, tree_depth=tree_depth,
                             tree_nodes=tree_nodes)
@@ -280,9 +282,8 @@ class Engine:
         prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
         exact = (self.exact and params.greedy) if exact is None else exact  # the Engine's default: greedy requests
         if exact and not params.greedy:
-            raise SpecDecodeError("exact mode is for greedy decoding (temperature 0); sampled decoding is exact in "
-                                  "distribution already")
-        limits = exactness.limits(self.target, self.progress) if exact else None
+            raise SpecDecodeError("exact mode is for greedy decoding (temperature 0); sampling is exact in distribution")
+        limits = self.exact_limits() if exact else None
         m = METHOD_TABLE[method]
         request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens)
         drafter = m.make_drafter(self, request)
@@ -350,8 +351,7 @@ class Engine:
 
     def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None,
                  max_new_tokens: int | None = None):
-        """The drafter of one generation (arguments already checked by `check`): built as the method
-        table says (methods.METHOD_TABLE); None for plain decoding."""
+        """The drafter of one generation as methods.METHOD_TABLE builds it (arguments checked by `check`)."""
         return METHOD_TABLE[method].make_drafter(self, DraftRequest(gamma, params, width, depth, nodes, max_new_tokens))
 
     # the drafters of the built-in methods (methods.METHOD_TABLE names them). Every generation plans with a

@@ -100,7 +100,7 @@ def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE) -> ExactLimits:
 
 def limits(lm, progress: bool = False) -> ExactLimits:
     """The measured ExactLimits of this LM, read from the cache or measured once and stored."""
-    if not getattr(lm, "exact", False):
+    if not lm.exact:
         raise SpecDecodeError(f"exact mode needs a target loaded for it ({lm.backend} model {lm.name}: load it with "
                               "exact=True / --exact; on llama.cpp that turns flash attention on)")
     key = hashlib.sha256(f"{FORMAT}|{lm.describe()}".encode()).hexdigest()[:16]

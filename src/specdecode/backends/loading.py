@@ -122,7 +122,7 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
             progress: bool = True, threads: int | None = None, quant: str | None = None, exact: bool = False):
     """(model, tokenizer, backend): on torch an HF model; on llama.cpp a llamacpp.LlamaLM that reads
     the GGUF file directly (no conversion), with the tokenizer read from the same file.
-    exact (llama.cpp): load it for exact greedy mode (LlamaLM's exact: flash attention on, no repacking).
+    exact (llama.cpp): load it for exact greedy mode (LlamaLM's exact: flash attention on, parked tree cells).
     quant (llama.cpp only, for a draft model): "auto" runs whichever of the file and its Q4_0/Q8_0
     requantizations is fastest here (measured once, cached); "Q4_0"/"Q8_0" force one; None/"none" keep the file."""
     if quant is not None and quant not in DRAFT_QUANT_CHOICES:

@@ -276,8 +276,7 @@ def serve(args) -> None:
     if uses_cost_model(args.method):
         engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
     if args.exact:
-        from ..exactness import limits
-        limits(engine.target, progress=True)  # measure the exact pass sizes now (once per machine)
+        engine.exact_limits()  # measure the exact pass sizes now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout)
     if not _is_loopback(args.host) and api_key is None:
