@@ -209,3 +209,21 @@ def residual_is_p(p, q, draft_tokens, generator=None):
     token comes back."""
     accepted, _ = real_verify(p, q, draft_tokens, generator)
     return accepted, sample(p[torch.arange(p.shape[0]), accepted], generator)
+
+
+def run(cmd: list[str], *, timeout: float = 300, env: dict | None = None, **kwargs):
+    """subprocess.run for the tests' child processes: one torch thread (like the test processes: OpenMP threads
+    that spin for a core another worker holds make tiny models many times slower), and on a timeout a failure
+    that shows what the child had printed and what was running on the machine, instead of a bare timeout."""
+    import os
+    import subprocess
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
+    except subprocess.TimeoutExpired as e:
+        ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,pcpu,rss,etime,args", "--sort=-pcpu"],
+                            capture_output=True, text=True).stdout.splitlines()[:12]
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(f"{cmd[1:]} ran past {timeout} s\nstdout tail: {out[-500:]!r}\nstderr tail: {err[-1500:]!r}\n"
+                    "busiest processes:\n" + "\n".join(ps), pytrace=False)

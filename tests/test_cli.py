@@ -1,6 +1,5 @@
 """The CLI contract: flags, --json shape, exit status 2 with one line on stderr."""
 import json
-import subprocess
 import sys
 
 import pytest
@@ -9,10 +8,11 @@ from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
+from helpers import run
+
 
 def cli(*args, input=None):
-    return subprocess.run([sys.executable, "-m", "specdecode", *args], capture_output=True, text=True,
-                          input=input, timeout=300)
+    return run([sys.executable, "-m", "specdecode", *args], input=input)
 
 
 def test_json_output_matches_python_api(tiny_dirs, capsys):
@@ -115,7 +115,7 @@ print()
 assert main(["serve", "--target", {str(target)!r}]) == 2
 assert main(["bench", "--prompts", "p.jsonl"]) == 2
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("specdecode: error:")]
     assert len(errors) == 2
@@ -146,5 +146,5 @@ def test_incompatible_draft_exit_2(tiny_dirs, tmp_path):
 
 def test_python_m_and_console_script_help():
     assert cli("--help").returncode == 0
-    r = subprocess.run(["specdecode", "generate", "--help"], capture_output=True, text=True, timeout=120)
+    r = run(["specdecode", "generate", "--help"], timeout=120)
     assert r.returncode == 0 and "--max-new-tokens" in r.stdout

@@ -54,13 +54,14 @@ _initialised = False
 
 def _lib():
     """llama_cpp's C bindings, initialised once, with llama.cpp's log silenced (errors we raise)."""
-    global _initialised
+    global _initialised, _SILENT  # _SILENT kept alive: llama.cpp holds its C pointer
     try:
         import llama_cpp as lc
     except ImportError as e:
         raise SpecDecodeError("the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
                               f"(builds from source, about 5 minutes) ({e})") from None
     if not _initialised:
+        _SILENT = lc.llama_log_callback(_silent_log)
         lc.llama_backend_init()
         lc.llama_log_set(_SILENT, ctypes.c_void_p(0))
         _initialised = True
@@ -72,11 +73,7 @@ def _silent_log(level, text, user_data):
         os.write(2, text or b"")
 
 
-try:
-    import llama_cpp as _lc
-    _SILENT = _lc.llama_log_callback(_silent_log)
-except Exception:
-    _SILENT = None
+_SILENT = None  # llama_cpp is imported on first use only: a torch-only run never loads llama.cpp's libraries
 
 
 def default_threads() -> int:
