@@ -285,6 +285,7 @@ ENGINE_CHECKED = [
     ({"top_k": -1}, dict(top_k=-1), "top_k"),
     ({"stop": ""}, dict(stop=""), "stop"),
     ({"stop": ["ok", ""]}, dict(stop=["ok", ""]), "stop"),
+    ({"stop": ["x" * 5000]}, dict(stop=["x" * 5000]), "stop"),  # over the cap on stop strings' length
     ({"prompt": ""}, dict(prompt=""), "prompt"),
     ({"speculation": {"method": "draft", "gamma": 0}}, dict(method="draft", gamma=0), "speculation.gamma"),
     ({"speculation": {"method": "pld", "gamma": -3}}, dict(method="pld", gamma=-3), "speculation.gamma"),

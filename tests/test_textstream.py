@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specdecode import Engine, Stats
+from specdecode import Engine, SpecDecodeError, Stats
 from specdecode.textstream import TextStream
 from tiny import byte_tokenizer
 
@@ -190,3 +190,54 @@ def test_linear_in_the_output_length(name):
     # each step decodes a window of a few tokens twice, and the end decodes all ids once: ~6 ids per id here;
     # decoding the whole output at every step would be ~len(ids)**2 / 6 (hundreds of thousands)
     assert counting.ids < 10 * len(ids), (counting.ids, len(ids))
+
+
+class _Chars:
+    """An engine whose token ids are code points: decoding costs next to nothing, so a test times the stream."""
+
+    @staticmethod
+    def decode(ids):
+        return "".join(map(chr, ids))
+
+
+def _time_stream(ids, stops) -> tuple[float, TextStream]:
+    import time
+    stream = TextStream(_Chars(), ([i] for i in ids), Stats(), stops)
+    t = time.perf_counter()
+    deltas = list(stream)
+    return time.perf_counter() - t, stream, deltas
+
+
+def test_stop_string_check_is_linear_in_the_text():
+    """Each step looks only at the text it adds (a streaming matcher), never at a tail as long as the stop
+    strings: a stop string of the largest allowed length costs about what no stop string costs. The check
+    that scanned the last len(stop) characters at each step took seconds here."""
+    from specdecode.textstream import STOP_CHARS_MAX
+    ids = [ord("a")] * 8000
+    plain, _, _ = _time_stream(ids, [])
+    long, stream, deltas = _time_stream(ids, ["b" * STOP_CHARS_MAX])
+    assert "".join(deltas) == stream.result.text == "a" * 8000
+    assert long < 5 * plain + 0.5, (long, plain)
+
+
+def test_stop_strings_are_bounded(tiny_engine):
+    from specdecode.textstream import STOP_CHARS_MAX
+    with pytest.raises(SpecDecodeError, match=f"stop strings .* at most {STOP_CHARS_MAX}"):
+        tiny_engine.stream("abc", stop=["x" * (STOP_CHARS_MAX // 2), "y" * (STOP_CHARS_MAX // 2 + 1)])
+    with pytest.raises(SpecDecodeError, match="stop strings"):
+        Engine.check(stop="z" * 200_000)
+    Engine.check(stop=["x" * (STOP_CHARS_MAX // 2), "y" * (STOP_CHARS_MAX // 2)])  # at the cap: fine
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stop_strings_with_partial_matches_as_before(seed):
+    """Many overlapping partial matches (a two-letter alphabet): the streaming matcher finds the same stop,
+    holds back the same text and emits the same deltas as the whole-text reference."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab") for _ in range(rng.randint(5, 80)))
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 4))]
+    ids = [ord(c) for c in text]
+    stream = TextStream(_Chars(), steps(ids, seed, 4), Stats(), stops)
+    deltas = list(stream)
+    ref_deltas, ref_text, ref_ids = whole_text_reference(_Chars.decode, ids, steps(ids, seed, 4), stops)
+    assert deltas == ref_deltas and stream.result.text == ref_text and stream.result.token_ids == ref_ids

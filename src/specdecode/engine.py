@@ -13,11 +13,12 @@ from typing import Iterator
 import torch
 
 from .backends import LM, as_lm
+from .checks import check_request
 from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, tokenizer_fingerprint)
 from .errors import SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits
-from .methods import METHOD_TABLE, DraftRequest, get_method, method_names
+from .methods import METHOD_TABLE, DraftRequest, method_names
 from .sampling import SamplingParams
 from .stats import Generation, Stats
 from .textstream import TextStream
@@ -327,27 +328,7 @@ class Engine:
             steps.close()
             self.history.add(prompt_ids, out)
 
-    @staticmethod
-    def check(*, method: str = "auto", gamma: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
-              top_k: int = 0, top_p: float = 1.0, stop=None, tree_width=None, tree_depth=None,
-              tree_nodes=None) -> SamplingParams:
-        """The request's arguments, checked without models (front ends call it before loading them):
-        SpecDecodeError with a message for the first bad one. Returns the sampling settings."""
-        params = SamplingParams(temperature, top_k, top_p)
-        m = get_method(method)  # SpecDecodeError naming the choices
-        for name, value in (("gamma", gamma), ("max_new_tokens", max_new_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise SpecDecodeError("stop strings must be non-empty strings")
-        for name, value in (("tree_width", tree_width), ("tree_depth", tree_depth), ("tree_nodes", tree_nodes)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
-            if value is not None and not m.tree_options:
-                takes = " or ".join(repr(n) for n, t in METHOD_TABLE.items() if t.tree_options)
-                raise SpecDecodeError(f"{name} applies to method {takes} only (method is {method!r})")
-        return params
+    check = staticmethod(check_request)  # the request's arguments, checked without models (checks.py)
 
     def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None,
                  max_new_tokens: int | None = None):

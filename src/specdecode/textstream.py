@@ -6,6 +6,8 @@ from typing import Iterator
 
 from .stats import Generation, Stats
 
+STOP_CHARS_MAX = 4096  # characters of stop strings one generation may ask for, all together
+
 
 class TextStream:
     """Turns committed token ids into text deltas; applies stop strings; times the generation.
@@ -15,8 +17,8 @@ class TextStream:
     for a token depends on its neighbours, such as SentencePiece's leading space or byte-level
     characters) plus the new ones, and appends what the new ones add. Tokens whose text is not complete
     (a UTF-8 character split across tokens decodes to U+FFFD) stay in the window until it is. Stop
-    strings are searched only near the end of the text: a tail that could start one is never sent, so
-    none can begin in text sent earlier.
+    strings are matched by a StopMatcher, which reads each character of the text once: a tail that could
+    start one is never sent, so none can begin in text sent earlier.
     """
 
     def __init__(self, engine, steps: Iterator[list[int]], stats: Stats, stops: list[str]):
@@ -30,6 +32,7 @@ class TextStream:
         text = ""  # the text of ids[:read], then the whole characters of ids[read:] so far (`pending` of them)
         context = read = pending = 0  # ids[context:read]: the tokens whose text was added last
         sent = ""
+        stops = StopMatcher(self.stops)
         t0 = time.perf_counter()
         try:
             for new in self.steps:
@@ -45,7 +48,7 @@ class TextStream:
                 pending += len(added)
                 if whole == len(after) > len(before):  # every token's text is complete: slide the window
                     context, read, pending = read, len(ids), 0
-                cut = self._find_stop(text, len(sent))
+                cut = stops.feed(added)
                 if cut is not None:
                     text = text[:cut]
                     ids = _shortest_prefix_with_stop(ids, decode, self.stops)
@@ -53,7 +56,7 @@ class TextStream:
                     stats.finish_reason = "stop"
                     safe = len(text)
                 else:
-                    safe = self._safe_length(text)
+                    safe = stops.safe_length()
                 if safe > len(sent):
                     delta = text[len(sent):safe]
                     sent += delta
@@ -68,24 +71,57 @@ class TextStream:
             yield text[len(sent):]
         self.result = Generation(text, ids, stats)
 
-    def _find_stop(self, text: str, sent: int) -> int | None:
-        """Where the first stop string starts; one can start only in the text not sent yet (or reach into it)."""
-        start = max(0, sent - max((len(s) for s in self.stops), default=0))
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
 
-    def _safe_length(self, text: str) -> int:
-        """Hold back any tail that could start a stop string (text holds only whole characters). Only the
-        last sum(len(stop)) characters can be held back, so only they are looked at."""
-        base = max(0, len(text) - sum(len(s) for s in self.stops) - 1)
-        tail = text[base:]
-        end = len(tail)
-        for s in self.stops:
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if tail[:end].endswith(s[:k]):
-                    end -= k
+class StopMatcher:
+    """Stop strings found in text that arrives piece by piece, in time linear in the text: one
+    Knuth-Morris-Pratt automaton per stop string reads each new character once (amortized), whatever the
+    stop strings' length; nothing already read is scanned again."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.fail = [_failure(s) for s in stops]
+        # states[j][i]: the length of the longest prefix of stops[j] that text[:i] ends with
+        self.states = [[0] for _ in stops]
+        self.length = 0  # characters fed
+
+    def feed(self, added: str) -> int | None:
+        """Read `added` (appended to the text); where the first stop string starts if one now occurs (the
+        earliest start among each stop string's first occurrence), else None."""
+        first = None
+        for s, fail, states in zip(self.stops, self.fail, self.states):
+            k = states[-1]
+            for i, c in enumerate(added):
+                while k and s[k] != c:
+                    k = fail[k - 1]
+                if s[k] == c:
+                    k += 1
+                if k == len(s):  # an occurrence ends at character i: the stream ends there
+                    start = self.length + i + 1 - k
+                    first = start if first is None else min(first, start)
                     break
-        return base + end
+                states.append(k)
+        self.length += len(added)
+        return first
+
+    def safe_length(self) -> int:
+        """How much of the text can be sent: a tail that could start a stop string is held back (for each
+        stop string in turn, the longest of its prefixes that the text so far ends with)."""
+        end = self.length
+        for states in self.states:
+            end -= states[end]
+        return end
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's failure function: fail[i] is the longest proper prefix of s[:i + 1] that is also its suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 def _shortest_prefix_with_stop(ids: list[int], decode, stops: list[str]) -> list[int]:
