@@ -258,3 +258,29 @@ def test_sliding_window_model_rolls_back_past_the_window():
     plain, _ = run(CachedLM(model), None, PROMPTS[1], 0, 80)
     spec, stats = run(CachedLM(model), DraftModel(tiny_model(1), 257), PROMPTS[1], 4, 80)
     assert spec == plain and stats.rejections > 0
+
+
+def test_two_streams_on_one_engine_never_corrupt_each_other():
+    """The models hold one KV cache each: a second stream that starts while one is open is refused with a
+    clear error (the open one goes on undisturbed); a stream that ended, was closed or was dropped frees it."""
+    import gc
+    tok = byte_tokenizer()
+    engine = Engine(tiny_model(0), tok, tiny_model(1), tok)
+    ref = engine.generate("abc", method="draft", max_new_tokens=24)
+    a = iter(engine.stream("abc", method="draft", max_new_tokens=24))
+    first = next(a)
+    with pytest.raises(SpecDecodeError, match="another stream that is still open"):
+        list(engine.stream("xyz", method="pld", max_new_tokens=8))
+    with pytest.raises(SpecDecodeError, match="another stream that is still open"):
+        engine.tree_costs()  # measuring would run the models too
+    assert first + "".join(a) == ref.text  # the open stream was not disturbed
+    other = engine.generate("xyz", method="pld", max_new_tokens=8)  # it ended: the Engine is free
+    closed = iter(engine.stream("abc", method="draft", max_new_tokens=24))
+    next(closed)
+    closed.close()
+    assert engine.generate("xyz", method="pld", max_new_tokens=8).text == other.text
+    dropped = iter(engine.stream("abc", method="draft", max_new_tokens=24))
+    next(dropped)
+    del dropped
+    gc.collect()
+    assert engine.generate("abc", method="draft", max_new_tokens=24).text == ref.text

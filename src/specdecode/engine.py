@@ -18,6 +18,7 @@ from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, Hist
                        check_compatible, tokenizer_fingerprint)
 from .errors import SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits
+from .lease import Lease
 from .methods import METHOD_TABLE, DraftRequest, method_names
 from .sampling import SamplingParams
 from .stats import Generation, Stats
@@ -136,6 +137,7 @@ class Engine:
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
         self._exact_limits = None  # exact mode's ExactLimits, likewise
         self.progress = True
+        self.lease = Lease()  # one generation at a time: the models hold one KV cache each (lease.py)
         self.history = History(history_tokens) if history_tokens else None
         self.datastore = None
         if datastore is not None:
@@ -214,15 +216,18 @@ class Engine:
 
     def exact_limits(self) -> ExactLimits:
         """Exact mode's pass sizes for this target: measured once per machine (cached on disk), read once here."""
-        self._exact_limits = self._exact_limits or measured_exact_limits(self.target, self.progress)
+        if self._exact_limits is None:
+            with self.lease.held("measuring exact pass sizes"):
+                self._exact_limits = measured_exact_limits(self.target, self.progress)
         return self._exact_limits
 
     def tree_costs(self):
         """The tree method's CostModel: pass costs measured once per machine and models (cached on disk)."""
         if self.costs is None:
             from .planning.costs import load_or_measure
-            self.costs = load_or_measure(self.target, self.draft_model.lm if self.draft_model else None,
-                                         progress=self.progress)
+            with self.lease.held("measuring pass costs"):
+                self.costs = load_or_measure(self.target, self.draft_model.lm if self.draft_model else None,
+                                             progress=self.progress)
         return self.costs
 
     # -- text in, text out -------------------------------------------------------------------
@@ -315,7 +320,7 @@ class Engine:
                                    generator=generator, stats=stats, exact=limits)
         if self.history is not None:
             steps = self._remember(prompt_ids, steps)
-        return TextStream(self, steps, stats, stops)
+        return TextStream(self, self.lease.steps(steps), stats, stops)
 
     def _remember(self, prompt_ids: list[int], steps: Iterator[list[int]]) -> Iterator[list[int]]:
         """Pass the steps through; when the generation ends (or is stopped), store its output."""
