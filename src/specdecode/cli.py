@@ -18,7 +18,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdecode", description="Lossless speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_generate_parser, _bench_parser, _serve_parser, _index_parser, _certify_parser):
+    for add in (_generate_parser, _bench_parser, _serve_parser, _index_parser, _certify_parser, _loadtest_parser):
         add(sub)
     return parser
 
@@ -100,6 +100,12 @@ def _serve_parser(sub) -> None:
                                                              "more get 503 with Retry-After (default 16)")
     s.add_argument("--timeout", type=float, default=300.0, help="longest a request may take, in seconds "
                                                                 "(default 300)")
+
+
+def _loadtest_parser(sub) -> None:
+    """`specdecode loadtest` (its arguments: bench/load_cli.py)"""
+    from .bench.load_cli import add_parser
+    add_parser(sub)
 
 
 def _index_parser(sub) -> None:
@@ -315,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             return certify(args)
         elif args.command == "index":
             index(args)
+        elif args.command == "loadtest":
+            from .bench.load_cli import loadtest
+            return loadtest(args)
         elif args.command == "serve":
             require_extra("serve")
             from .server import serve

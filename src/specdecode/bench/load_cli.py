@@ -1,0 +1,162 @@
+"""`specdecode loadtest`: the load benchmark (issue 22). See bench/load.py (the client and its statistics),
+bench/load_peers.py (the servers it launches), bench/load_report.py (outputs), bench/llama_server.py (the
+offline build of llama.cpp's own server).
+
+    specdecode loadtest --server http://127.0.0.1:8000[,NAME=URL...] --prompts FILE... --concurrency 1,2,4,8
+    specdecode loadtest --launch llama-server,llama-server-draft,specdecode --prompts FILE... [--target T --draft D]
+    specdecode loadtest --build-llama-server
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from ..errors import SpecDecodeError
+
+
+def add_parser(sub) -> None:
+    from .load_peers import DEFAULT_PEERS, PEERS, serve_has_parallel
+    parallel = serve_has_parallel(sub)  # read here: the serve parser is added before this one
+    t = sub.add_parser("loadtest", help="load benchmark: streamed OpenAI requests at several concurrencies against "
+                                        "servers (running ones, or llama-server and ours launched here)")
+    t.add_argument("--server", default=None, metavar="URL[,NAME=URL...]",
+                   help="running OpenAI-compatible servers to measure (comma-separated; NAME=URL names one)")
+    t.add_argument("--launch", default=None, metavar="PEERS",
+                   help=f"servers to start here, one fresh process per concurrency level, on free loopback ports: "
+                        f"comma-separated from {', '.join(PEERS)} ('default': {','.join(DEFAULT_PEERS)})")
+    t.add_argument("--prompts", nargs="+", default=None, metavar="FILE",
+                   help="JSONL files as for bench: 'prompt' (completion) or 'turns' (chat: the first turn)")
+    t.add_argument("--limit", type=int, default=None, help="the first N prompts of each file")
+    t.add_argument("--concurrency", default="1,2,4,8", help="comma-separated concurrency levels (default 1,2,4,8; "
+                                                            "1 is added first: the solo answers of the greedy check)")
+    t.add_argument("--requests", type=int, default=None,
+                   help="requests per level (default: every prompt once, at least one per client)")
+    t.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    t.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take (default 900)")
+    t.add_argument("--target", default=None, help="--launch: built-in name or GGUF file (default: the default pair)")
+    t.add_argument("--draft", default=None, help="--launch: the draft model (default with the default target: "
+                                                 "its draft)")
+    t.add_argument("--threads", type=int, default=None, help="--launch: CPU threads of every server (default: all "
+                                                             "this process may use)")
+    t.add_argument("--ctx-size", type=int, default=4096,
+                   help="--launch: llama-server's context per slot (-c CTX*slots with -kvu; default 4096)")
+    t.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama-server binary (default: the cached build, then PATH)")
+    t.add_argument("--llama-args", default="", help="--launch: extra llama-server arguments (one shell-quoted string)")
+    t.add_argument("--ours-args", default="", help="--launch: extra `specdecode serve` arguments")
+    t.add_argument("--ready-timeout", type=float, default=900.0, help="--launch: seconds a server may take to "
+                                                                      "answer /health (default 900)")
+    t.add_argument("--build-llama-server", action="store_true",
+                   help="build llama.cpp's llama-server and llama-batched-bench from llama-cpp-python's source "
+                        "package into the cache first, if not built yet (about 11 min on 2 cores)")
+    t.add_argument("--llama-src", default=None, metavar="DIR", help="--build-llama-server: an unpacked "
+                   "llama-cpp-python source package (default: pip download it)")
+    t.add_argument("--jobs", type=int, default=2, help="--build-llama-server: parallel compile jobs (default 2)")
+    t.add_argument("--out", default="loadtest-out", help="directory for loadtest.json, loadtest.md, loadtest.png, "
+                                                        "logs/ (default loadtest-out)")
+    t.set_defaults(serve_parallel=parallel)
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecDecodeError(f"--concurrency must be comma-separated positive integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise SpecDecodeError(f"--concurrency must be comma-separated positive integers, got {text!r}")
+    return [1] + sorted(set(levels) - {1})
+
+
+def _servers(text: str | None) -> dict[str, str]:
+    out = {}
+    for item in (x.strip() for x in (text or "").split(",") if x.strip()):
+        name, _, url = item.partition("=") if "=" in item.split("://")[0] else ("", "", item)
+        if not url.startswith(("http://", "https://")):
+            raise SpecDecodeError(f"--server: not an http(s) URL: {url!r}")
+        out[name or url.rstrip("/")] = url.rstrip("/")
+    return out
+
+
+def _peers(text: str | None) -> list[str]:
+    from .load_peers import DEFAULT_PEERS, PEERS
+    if not text:
+        return []
+    names = list(DEFAULT_PEERS) if text.strip() == "default" else [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise SpecDecodeError(f"--launch: unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)}")
+    return names
+
+
+def _prompts(args) -> list[dict]:
+    from .run import load_prompts
+    rows = []
+    for path in args.prompts:
+        for row in load_prompts(path, args.limit):
+            rows.append({**row, "id": f"{os.path.basename(path)}:{row['id']}"})
+    return rows
+
+
+def loadtest(args) -> int:
+    """Run the load benchmark; 0 when it ran (errors and greedy mismatches are reported, not fatal)."""
+    from . import llama_server as ls
+    from .load import measure_server
+    from .load_peers import measure_peer
+    from .load_report import markdown, write_outputs
+    from .run import cpu_description
+    if importlib.util.find_spec("httpx") is None:
+        raise SpecDecodeError('`specdecode loadtest` needs httpx, which is not installed: pip install httpx')
+    servers, peers = _servers(args.server), _peers(args.launch)
+    levels = _levels(args.concurrency)
+    if args.max_tokens <= 0 or (args.limit is not None and args.limit <= 0) or (args.requests is not None
+                                                                                 and args.requests <= 0):
+        raise SpecDecodeError("--max-tokens, --limit and --requests must be positive")
+    binary = args.llama_server or (str(ls.find_binary()) if ls.find_binary() else None)
+    if args.build_llama_server and binary is None:
+        binary = str(ls.build(src=args.llama_src, jobs=args.jobs) / "llama-server")
+    if not servers and not peers:
+        if args.build_llama_server:
+            sys.stdout.write(f"llama-server: {binary}\n")
+            return 0
+        raise SpecDecodeError("nothing to measure: give --server URL and/or --launch PEERS")
+    if not args.prompts:
+        raise SpecDecodeError("--prompts FILE is required")
+    prompts = _prompts(args)
+    log = lambda msg: (sys.stderr.write(msg + "\n"), sys.stderr.flush())  # noqa: E731
+    results = {"config": {"prompts": args.prompts, "n_prompts": len(prompts), "limit": args.limit,
+                          "concurrency": levels, "requests": args.requests, "max_tokens": args.max_tokens,
+                          "temperature": 0.0, "argv": shlex.join(sys.argv)},
+               "cpu": cpu_description(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "servers": {}}
+    for name, url in servers.items():
+        log(f"{name} ({url})")
+        got = measure_server(url, prompts, levels, args.max_tokens, args.requests, args.timeout, log=log)
+        got.pop("solo")
+        results["servers"][name] = {"url": url, **got}
+    if peers:
+        from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
+        target = args.target or DEFAULT_TARGET
+        draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
+        threads = args.threads or len(os.sched_getaffinity(0))
+        parallel = getattr(args, "serve_parallel", False)
+        if "specdecode-p1" in peers and not parallel:
+            log("specdecode-p1: skipped (this `specdecode serve` has no --parallel: `specdecode` is already one "
+                "request at a time)")
+            peers = [p for p in peers if p != "specdecode-p1"]
+        results["config"].update(target=target, draft=draft, threads=threads, ctx_size=args.ctx_size,
+                                 llama_server=binary, serve_parallel_flag=parallel)
+        for name in peers:
+            extra = shlex.split(args.llama_args if name.startswith("llama-server") else args.ours_args)
+            kw = dict(threads=threads, ctx=args.ctx_size, target=target, draft=draft, llama_server=binary,
+                      parallel_flag=parallel, extra=extra)
+            results["servers"][name] = measure_peer(name, prompts, levels, max_tokens=args.max_tokens,
+                                                    requests=args.requests, timeout=args.timeout,
+                                                    out_dir=Path(args.out), argv_kw=kw,
+                                                    ready_timeout=args.ready_timeout, log=log)
+    out = write_outputs(results, args.out)
+    sys.stdout.write(markdown(results).split("\n## Commands")[0] + f"\nwritten to {out}/\n")
+    return 0
+

@@ -1,0 +1,163 @@
+"""The servers `specdecode loadtest --launch` starts itself (issue 22): each on a free loopback port, waited
+for until /health answers 200, measured, then stopped (SIGINT, then SIGKILL after 30 s).
+
+Peers (one fresh process per concurrency level c, so that no level inherits caches or output history
+from another):
+- `llama-server`: llama.cpp's own server on the same GGUF, `-t/-tb THREADS -np c -kvu -c CTX*c`
+  (c slots sharing one unified KV cache, each up to CTX tokens);
+- `llama-server-draft`: the same with the draft model, `--spec-type draft-simple -md DRAFT`;
+- `specdecode`: ours, `specdecode serve --target T [--draft D] --threads THREADS`, plus `--parallel c`
+  where the server has that flag;
+- `specdecode-p1`: ours with `--parallel 1` (only where the server has that flag; without it
+  `specdecode` already serves one request at a time).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import SpecDecodeError
+
+PEERS = ("llama-server", "llama-server-draft", "specdecode", "specdecode-p1")
+DEFAULT_PEERS = ("llama-server", "llama-server-draft", "specdecode")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_has_parallel(subparsers) -> bool:
+    """Whether `specdecode serve` takes --parallel (slots) in this checkout: its parser in `subparsers`."""
+    serve = subparsers.choices.get("serve")
+    return serve is not None and any("--parallel" in a.option_strings for a in serve._actions)
+
+
+def resolve_gguf(spec: str | None) -> str | None:
+    """A built-in model name as its GGUF file in the cache (assembled if needed), a path as itself."""
+    if spec is None:
+        return None
+    from ..backends import BUILTIN, assemble
+    if spec in BUILTIN:
+        return str(assemble(BUILTIN[spec], progress=False))
+    if not spec.endswith(".gguf") or not Path(spec).is_file():
+        raise SpecDecodeError(f"llama-server needs a GGUF file or a built-in model name, got {spec!r}")
+    return spec
+
+
+def peer_argv(name: str, *, port: int, slots: int, threads: int, ctx: int, target: str, draft: str | None,
+              llama_server: str | None, parallel_flag: bool, extra: list[str] = ()) -> list[str]:
+    """The command line of peer `name` for `slots` concurrent requests on 127.0.0.1:port."""
+    if name.startswith("llama-server"):
+        if llama_server is None:
+            raise SpecDecodeError("llama-server is not built: specdecode loadtest --build-llama-server "
+                                  "(or python scripts/build_llama_server.py), or pass --llama-server PATH")
+        argv = [llama_server, "-m", resolve_gguf(target), "--host", "127.0.0.1", "--port", str(port),
+                "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-kvu", "-c", str(ctx * slots),
+                "--no-webui"]
+        if name == "llama-server-draft":
+            if draft is None:
+                raise SpecDecodeError("peer llama-server-draft needs a draft model (--draft)")
+            argv += ["--spec-type", "draft-simple", "-md", resolve_gguf(draft), "-td", str(threads),
+                     "-tbd", str(threads)]
+        return argv + list(extra)
+    if name in ("specdecode", "specdecode-p1"):
+        argv = [sys.executable, "-m", "specdecode", "serve", "--target", target, "--host", "127.0.0.1",
+                "--port", str(port), "--threads", str(threads), "--max-queue", str(max(16, 2 * slots))]
+        if draft is not None:
+            argv += ["--draft", draft]
+        if parallel_flag:
+            argv += ["--parallel", str(1 if name == "specdecode-p1" else slots)]
+        return argv + list(extra)
+    raise SpecDecodeError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+
+
+class Launched:
+    """A server process on 127.0.0.1:port, its output in `log_path`; a context manager that waits for
+    /health and stops the process on exit."""
+
+    def __init__(self, argv: list[str], port: int, log_path: Path, ready_timeout: float = 900.0, env=None):
+        self.argv, self.port, self.log_path = argv, port, Path(log_path)
+        self.url = f"http://127.0.0.1:{port}"
+        self.ready_timeout = ready_timeout
+        self.env = {**os.environ, **(env or {})}
+        self.proc = None
+
+    def __enter__(self) -> Launched:
+        import httpx
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self._log.write("$ " + shlex.join(self.argv) + "\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self._close()
+                raise SpecDecodeError(f"server exited with status {self.proc.returncode} before it was ready: "
+                                      f"{self.tail()}")
+            if time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise SpecDecodeError(f"server not ready after {self.ready_timeout:.0f} s: {self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+    def tail(self, n: int = 1500) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self._close()
+
+    def _close(self) -> None:
+        if getattr(self, "_log", None) is not None and not self._log.closed:
+            self._log.close()
+
+
+def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_tokens: int, requests: int | None,
+                 timeout: float, out_dir: Path, argv_kw: dict, ready_timeout: float = 900.0, log=print) -> dict:
+    """Launch peer `name` once per level, measure that level, stop it. Level 1 (first) gives the solo
+    answers the later levels are checked against."""
+    from .load import measure_server
+    result = {"levels": [], "mismatches": [], "requests": [], "commands": {}}
+    solo: dict[str, str] = {}
+    for c in levels:
+        port = free_port()
+        argv = peer_argv(name, port=port, slots=c, **argv_kw)
+        result["commands"][str(c)] = shlex.join(argv)
+        log(f"{name}, concurrency {c}: {shlex.join(argv)}")
+        started = time.perf_counter()
+        try:
+            with Launched(argv, port, out_dir / "logs" / f"{name}-c{c}.log", ready_timeout) as srv:
+                log(f"  ready in {time.perf_counter() - started:.1f} s")
+                got = measure_server(srv.url, prompts, [c], max_tokens, requests, timeout, solo=solo, log=log)
+        except SpecDecodeError as e:
+            log(f"  failed: {e}")
+            result["levels"].append({"concurrency": c, "failed": str(e)[:2000]})
+            continue
+        solo = got["solo"]
+        result["levels"] += got["levels"]
+        result["mismatches"] += got["mismatches"]
+        result["requests"] += got["requests"]
+    return result

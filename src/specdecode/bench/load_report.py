@@ -1,0 +1,86 @@
+"""`specdecode loadtest`'s outputs: loadtest.json (everything), loadtest.md (a table per server and
+concurrency, the greedy mismatches) and loadtest.png (total throughput and p99 time to first token against
+concurrency, one line per server)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{x * 1000:.0f}"
+
+
+def markdown(results: dict) -> str:
+    cfg = results["config"]
+    lines = [f"# Load test: {cfg['max_tokens']} new tokens, greedy, streamed", "",
+             f"CPU: {results.get('cpu') or 'unknown'}; prompts: {', '.join(cfg['prompts'])} "
+             f"({cfg['n_prompts']} prompts); requests per level: {cfg['requests'] or 'every prompt once'}", "",
+             "| server | concurrency | ok/requests | total completion tok/s | TTFT p50 (ms) | TTFT p99 (ms) | "
+             "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | errors (5xx) | greedy mismatches |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, srv in results["servers"].items():
+        for s in srv["levels"]:
+            if "failed" in s:
+                lines.append(f"| {name} | {s['concurrency']} | failed: {s['failed'][:80]!s} | | | | | | | | |")
+                continue
+            rate = "n/a" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.2f}"
+            mism = f"{s['greedy_mismatches']}/{s['greedy_compared']}" if s["concurrency"] > 1 else "(reference)"
+            lines.append(f"| {name} | {s['concurrency']} | {s['ok']}/{s['requests']} | {rate} | {_ms(s['ttft_p50_s'])} "
+                         f"| {_ms(s['ttft_p99_s'])} | {_ms(s['itl_p50_s'])} | {_ms(s['itl_p99_s'])} "
+                         f"| {_ms(s['tpot_p50_s'])} | {s['errors']} ({s['errors_5xx']}) | {mism} |")
+    lines += ["", "ITL: gaps between streamed text chunks (a chunk with several tokens counts once); TPOT: "
+              "(last chunk - first chunk) / (tokens - 1) per request. Greedy mismatches: responses at this "
+              "concurrency whose text differs from the same prompt served alone (concurrency 1)."]
+    mismatches = [(name, m) for name, srv in results["servers"].items() for m in srv["mismatches"]]
+    if mismatches:
+        lines += ["", "## Greedy mismatches", "", "| server | concurrency | prompt | first differing char | "
+                  "solo | got |", "|---|---|---|---|---|---|"]
+        for name, m in mismatches[:50]:
+            lines.append(f"| {name} | {m['concurrency']} | {m['id']} | {m['at_char']} | {json.dumps(m['solo'])} "
+                         f"| {json.dumps(m['got'])} |")
+    commands = [(name, c, cmd) for name, srv in results["servers"].items() for c, cmd in srv.get("commands", {}).items()]
+    if commands:
+        lines += ["", "## Commands", ""] + [f"- {name}, concurrency {c}: `{cmd}`" for name, c, cmd in commands]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    """Throughput and p99 TTFT against concurrency; None where matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, srv in results["servers"].items():
+        levels = [s for s in srv["levels"] if "failed" not in s and s["tokens_per_s"] is not None]
+        if not levels:
+            continue
+        cs = [s["concurrency"] for s in levels]
+        ax1.plot(cs, [s["tokens_per_s"] for s in levels], marker="o", label=name)
+        ax2.plot(cs, [s["ttft_p99_s"] or 0.0 for s in levels], marker="o", label=name)
+    for ax, title, ylabel in ((ax1, "total completion throughput", "tokens / s"),
+                              (ax2, "time to first token, p99", "seconds")):
+        ax.set_title(title)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{results['config']['max_tokens']} new tokens, greedy, streamed; {results.get('cpu') or ''}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(results: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest.json").write_text(json.dumps(results, indent=1))
+    (out / "loadtest.md").write_text(markdown(results))
+    plot(results, out / "loadtest.png")
+    return out

@@ -1,0 +1,195 @@
+"""`specdecode loadtest` (issue 22): the load client's statistics on a fake server and a fake clock, the client
+against our server at concurrency 1 and 3 (loopback only, a handful of requests), and the launch of a peer."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from specdecode.bench.load import (first_difference, greedy_mismatches, level_rows, measure_server, percentile,
+                                   run_level_async)
+from specdecode.bench.load_peers import peer_argv
+from specdecode.cli import main
+from specdecode.server import create_app, engine_lock
+
+MODEL = "tiny"
+
+
+# -- statistics, on a fake server and a fake clock -------------------------------------------------------------------
+def test_percentile_is_linear_between_order_statistics():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile(range(101), 99) == 99
+    assert percentile([0, 10], 99) == pytest.approx(9.9)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def fake_server(clock, scripts):
+    """An httpx transport: scripts[prompt] is (status, [(seconds before the event, event line), ...])."""
+    async def handler(request):
+        body = json.loads(request.content)
+        status, events = scripts[body.get("prompt") or body["messages"][0]["content"]]
+
+        async def stream():
+            for delay, line in events:
+                clock.t += delay
+                yield (line + "\n\n").encode()
+        return httpx.Response(status, content=stream(), headers={"content-type": "text/event-stream"})
+    return httpx.MockTransport(handler)
+
+
+def sse(obj):
+    return "data: " + (obj if isinstance(obj, str) else json.dumps(obj))
+
+
+def completion_events(pieces, usage=True):
+    out = [(dt, sse({"choices": [{"index": 0, "text": text, "finish_reason": None}]})) for dt, text in pieces]
+    out.append((0.0, sse({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})))
+    if usage:
+        out.append((0.0, sse({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": len(pieces) + 1}})))
+    return out + [(0.0, sse("[DONE]"))]
+
+
+def test_statistics_of_a_level_on_a_fake_clock():
+    clock = FakeClock()
+    scripts = {
+        # TTFT 0.5 s, then chunks 0.1 and 0.3 s apart; usage says 4 tokens (one chunk carried two)
+        "a": (200, completion_events([(0.5, "x"), (0.1, "yz"), (0.3, "w")])),
+        # TTFT 1.0 s, one gap of 0.2 s; no usage chunk: tokens are counted as text chunks
+        "b": (200, completion_events([(1.0, "p"), (0.2, "q")], usage=False)),
+        "busy": (503, [(0.0, '{"error": {"message": "queue full"}}')]),
+        "cut": (200, [(0.1, sse({"choices": [{"index": 0, "text": "t"}]}))]),  # no [DONE]
+        "boom": (200, [(0.1, sse({"error": {"message": "internal"}})), (0.0, sse("[DONE]"))]),
+    }
+    rows = [{"id": k, "prompt": k, "chat": False} for k in scripts]
+    summary, records = asyncio.run(run_level_async("http://fake", MODEL, rows, 1, 8, clock=clock,
+                                                   transport=fake_server(clock, scripts)))
+    by = {r["id"]: r for r in records}
+    assert by["a"]["text"] == "xyzw" and by["a"]["tokens"] == 4 and by["a"]["chunks"] == 3
+    assert by["a"]["ttft_s"] == pytest.approx(0.5) and by["a"]["itl_s"] == pytest.approx([0.1, 0.3])
+    assert by["a"]["tpot_s"] == pytest.approx(0.4 / 3) and by["a"]["finish_reason"] == "length"
+    assert by["b"]["tokens"] == 2 and by["b"]["usage_tokens"] is None and by["b"]["ttft_s"] == pytest.approx(1.0)
+    assert by["busy"]["status"] == 503 and "queue full" in by["busy"]["error"]
+    assert "without [DONE]" in by["cut"]["error"] and "stream error event" in by["boom"]["error"]
+    assert summary["requests"] == 5 and summary["ok"] == 2 and summary["errors"] == 3 and summary["errors_5xx"] == 1
+    assert summary["completion_tokens"] == 6
+    assert summary["wall_s"] == pytest.approx(0.9 + 1.2 + 0.1 + 0.1)  # one client: the requests back to back
+    assert summary["tokens_per_s"] == pytest.approx(6 / 2.3)
+    assert summary["ttft_p50_s"] == pytest.approx(0.75) and summary["ttft_p99_s"] == pytest.approx(0.995)
+    assert summary["itl_p50_s"] == pytest.approx(0.2) and summary["itl_p99_s"] == pytest.approx(0.298)
+
+
+def test_chat_rows_go_to_chat_completions_and_greedy_mismatches_are_located():
+    clock = FakeClock()
+    chunk = lambda text: (0.1, sse({"choices": [{"index": 0, "delta": {"content": text}}]}))  # noqa: E731
+    scripts = {"hi": (200, [(0.0, sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})), chunk("Hel"),
+                            chunk("lo!"), (0.0, sse("[DONE]"))])}
+    rows = [{"id": "1", "prompt": "hi", "chat": True}]
+    _, records = asyncio.run(run_level_async("http://fake", MODEL, rows, 1, 8, clock=clock,
+                                             transport=fake_server(clock, scripts)))
+    assert records[0]["error"] is None and records[0]["text"] == "Hello!" and records[0]["ttft_s"] == pytest.approx(0.1)
+    assert first_difference("abc", "abc") is None and first_difference("abc", "abd") == 2
+    assert first_difference("abc", "ab") == 2
+    got = greedy_mismatches({"1": "Hello!", "2": "x"}, records + [{**records[0], "text": "Help!"}], 2)
+    assert [(m["id"], m["at_char"]) for m in got] == [("1", 3)]
+    assert [r["id"] for r in level_rows(rows * 2, 3, None)] == ["1", "1", "1"]
+
+
+def test_llama_server_peer_command(tmp_path):
+    gguf, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    gguf.write_bytes(b"GGUF")
+    draft.write_bytes(b"GGUF")
+    kw = dict(port=1234, slots=4, threads=2, ctx=4096, target=str(gguf), draft=str(draft), llama_server="ls",
+              parallel_flag=False)
+    plain = peer_argv("llama-server", **kw)
+    assert plain[:3] == ["ls", "-m", str(gguf)] and "--spec-type" not in plain
+    flags = " ".join(plain)
+    assert "-t 2 -tb 2 -np 4 -kvu -c 16384" in flags and "--host 127.0.0.1 --port 1234" in flags
+    assert " ".join(peer_argv("llama-server-draft", **kw)).endswith(f"--spec-type draft-simple -md {draft} -td 2 -tbd 2")
+    ours = peer_argv("specdecode", **kw)
+    assert ours[1:4] == ["-m", "specdecode", "serve"] and "--parallel" not in ours
+    assert peer_argv("specdecode-p1", **{**kw, "parallel_flag": True})[-2:] == ["--parallel", "1"]
+
+
+# -- the client against our server ---------------------------------------------------------------------------------
+class LiveServer:
+    """uvicorn on 127.0.0.1 and a free port, in a background thread."""
+
+    def __init__(self, app):
+        self.app = app
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.app.state.worker.stop()
+
+
+def test_load_on_our_server_loses_nothing_and_answers_as_alone(tiny_engine):
+    """Concurrency 1 and 3: no 5xx, every response complete (its text and token count those of the same
+    request generated alone by the engine), and the greedy check finds nothing."""
+    torch.set_num_threads(1)
+    prompts = [{"id": str(i), "prompt": f"request {i}: {'abc' * i}", "chat": i % 3 == 2} for i in range(6)]
+    refs = {}
+    for row in prompts:
+        prompt = [{"role": "user", "content": row["prompt"]}] if row["chat"] else row["prompt"]
+        with engine_lock(tiny_engine):
+            r = tiny_engine.generate(prompt, method="draft", gamma=3, max_new_tokens=12)
+        refs[row["id"]] = (r.text, r.stats.new_tokens)
+    live = LiveServer(create_app(tiny_engine, model_id=MODEL, method="draft", gamma=3))
+    try:
+        got = measure_server(live.url, prompts, [1, 3], max_tokens=12, timeout=60, log=lambda msg: None)
+    finally:
+        live.stop()
+    assert [s["concurrency"] for s in got["levels"]] == [1, 3]
+    for s in got["levels"]:
+        assert s["requests"] == 6 and s["ok"] == 6 and s["errors"] == 0 and s["errors_5xx"] == 0, s
+        assert s["completion_tokens"] == sum(n for _, n in refs.values()) and s["tokens_per_s"] > 0
+        assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"] and s["itl_p50_s"] <= s["itl_p99_s"]
+    assert got["mismatches"] == [] and got["levels"][1]["greedy_compared"] == 6
+    assert got["solo"] == {k: text for k, (text, _) in refs.items()}
+    for r in got["requests"]:
+        assert r["status"] == 200 and r["error"] is None and r["usage_tokens"] == refs[r["id"]][1]
+        assert r["finish_reason"] in ("length", "stop")
+
+
+def test_loadtest_command_launches_our_server(tiny_dirs, tmp_path, capsys):
+    """`specdecode loadtest --launch specdecode`: a fresh server on a free port, measured, stopped; the JSON,
+    markdown and plot written. (One level: each level starts its own server, a model load each.)"""
+    target, draft = tiny_dirs
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    assert main(["loadtest", "--launch", "specdecode", "--target", str(target), "--draft", str(draft),
+                 "--prompts", str(prompts), "--concurrency", "1", "--max-tokens", "8", "--threads", "1",
+                 "--ours-args", "--method draft --gamma 3 --history-tokens 0", "--ready-timeout", "120",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "loadtest.json").read_text())
+    levels = results["servers"]["specdecode"]["levels"]
+    assert [(s["concurrency"], s["ok"], s["errors"]) for s in levels] == [(1, 3, 0)], levels
+    assert results["servers"]["specdecode"]["commands"]["1"].split()[2:4] == ["specdecode", "serve"]
+    assert (out / "loadtest.png").stat().st_size > 0 and "| specdecode | 1 | 3/3 |" in (out / "loadtest.md").read_text()
+    assert "| specdecode | 1 | 3/3 |" in capsys.readouterr().out
+    assert "serving" in (out / "logs" / "specdecode-c1.log").read_text()
