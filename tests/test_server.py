@@ -762,3 +762,53 @@ def test_schemathesis(case):
     if response.status_code >= 400:
         err = response.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
+
+
+# -- hardening (issue 22) ---------------------------------------------------------------------------------------------
+class OneThreadTokenizer:
+    """A tokenizer that records when two threads use it at once (fast tokenizers can fail then with
+    "Already borrowed"); each call lingers a little so that an overlap cannot slip by."""
+
+    def __init__(self, tok):
+        self._tok, self._busy, self.overlaps, self.calls = tok, threading.Lock(), 0, 0
+
+    def __getattr__(self, name):
+        value = getattr(self._tok, name)
+        if name not in ("__call__", "decode", "apply_chat_template", "get_added_vocab", "encode"):
+            return value
+        return self._guarded(value)
+
+    def __call__(self, *args, **kw):
+        return self._guarded(self._tok)(*args, **kw)
+
+    def _guarded(self, fn):
+        def call(*args, **kw):
+            if not self._busy.acquire(blocking=False):
+                self.overlaps += 1
+                self._busy.acquire()
+            try:
+                self.calls += 1
+                time.sleep(0.002)
+                return fn(*args, **kw)
+            finally:
+                self._busy.release()
+        return call
+
+
+def test_the_tokenizer_is_never_used_by_two_threads_at_once():
+    """Request handlers tokenize (in a thread pool) while the worker thread decodes: one lock serializes them."""
+    tok = OneThreadTokenizer(byte_tokenizer())
+    engine = Engine(tiny_model(0), tok, tiny_model(1), tok)
+    srv = LiveServer(create_app(engine, model_id=MODEL, method="pld", gamma=2, max_queue=16))
+    try:
+        def ask(i):
+            body = {"model": MODEL, "max_tokens": 12, "stream": i % 2 == 0}
+            body.update({"messages": [{"role": "user", "content": f"chat {i}"}]} if i % 3 else {"prompt": f"text {i}"})
+            path = "chat/completions" if i % 3 else "completions"
+            return httpx.post(f"{srv.url}/v1/{path}", json=body, timeout=120).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, range(16))) == [200] * 16
+        assert tok.calls > 100 and tok.overlaps == 0, (tok.calls, tok.overlaps)
+    finally:
+        srv.stop()

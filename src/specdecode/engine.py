@@ -18,7 +18,7 @@ from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, Hist
                        check_compatible, tokenizer_fingerprint)
 from .errors import SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits
-from .lease import Lease
+from .lease import Lease, tokenizer_lock
 from .methods import METHOD_TABLE, DraftRequest, method_names
 from .sampling import SamplingParams
 from .stats import Generation, Stats
@@ -245,19 +245,22 @@ class Engine:
                 raise SpecDecodeError("the prompt is empty")
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise SpecDecodeError("this tokenizer has no chat template; pass a plain prompt instead")
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            with tokenizer_lock(self.tokenizer):
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         else:
             text = prompt
         if not text:
             raise SpecDecodeError("the prompt is empty")
         # a chat template writes its own special tokens; a raw prompt gets the model's (e.g. BOS)
-        ids = self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        with tokenizer_lock(self.tokenizer):
+            ids = self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
         if not ids:
             raise SpecDecodeError("the prompt is empty after tokenization")
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with tokenizer_lock(self.tokenizer):  # the server's worker decodes while its handlers encode
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompt: str | list[dict], **kwargs) -> Generation:
         stream = self.stream(prompt, **kwargs)
@@ -294,7 +297,8 @@ class Engine:
         request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens)
         drafter = m.make_drafter(self, request)
         # a stop string that is a special token never shows in the decoded text: stop on its id
-        added = self.tokenizer.get_added_vocab()
+        with tokenizer_lock(self.tokenizer):
+            added = self.tokenizer.get_added_vocab()
         stop_ids = {added[s] for s in stops if s in added}
         generator = torch.Generator()
         if seed is None:

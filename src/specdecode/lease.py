@@ -1,11 +1,12 @@
-"""One generation at a time on an Engine: its models hold one KV cache each, so a second generation (or a
+"""Shared state used by one party at a time. One generation at a time on an Engine: its models hold one KV cache each, so a second generation (or a
 cost measurement) that started while a stream is still open would overwrite that stream's cache and
 corrupt its output silently. The Lease refuses it with a clear error instead. A stream holds the lease
 from its first step until it ends, is closed, or is garbage-collected (closing a generator runs its
-`finally`)."""
+`finally`). And one thread at a time in a tokenizer (tokenizer_lock)."""
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -35,3 +36,18 @@ class Lease:
                 yield from steps
             finally:
                 steps.close()
+
+
+_TOKENIZER_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TOKENIZER_LOCKS_GUARD = threading.Lock()
+
+
+def tokenizer_lock(tokenizer) -> threading.RLock:
+    """The lock held while `tokenizer` encodes or decodes: a fast (Rust) tokenizer used by two threads at once
+    can fail ("Already borrowed"), and a server tokenizes requests on handler threads while its worker
+    decodes. One lock per tokenizer object, shared by every Engine that holds it."""
+    with _TOKENIZER_LOCKS_GUARD:
+        lock = _TOKENIZER_LOCKS.get(tokenizer)
+        if lock is None:
+            lock = _TOKENIZER_LOCKS[tokenizer] = threading.RLock()
+        return lock
