@@ -223,3 +223,51 @@ def test_stop_refuses_the_waiting_jobs(worker):
     running, waiting = asyncio.run(main())
     assert running[-1][0] == "error" and running[-1][1].code == "shutting_down"
     assert [(k, e.code) for k, e in waiting] == [("error", "shutting_down")]
+
+
+def _silent_stream(max_new_tokens: int, step_s: float = 0.005):
+    """A real Engine stream whose steps emit no text (as while a stop string's prefix is held back, or special
+    tokens are skipped), step_s per step."""
+    from specdecode import Engine
+    from tiny import byte_tokenizer, tiny_model
+    engine = Engine(tiny_model(0), byte_tokenizer())
+    engine.eos_ids = set()
+    engine.decode = lambda ids: ""
+    forward = engine.target.forward
+
+    def slow(*args, **kw):
+        time.sleep(step_s)
+        return forward(*args, **kw)
+
+    engine.target.forward = slow
+    return engine.stream("abc", method="autoregressive", max_new_tokens=max_new_tokens)
+
+
+def test_cancel_and_deadline_are_checked_every_step_not_only_when_text_comes(worker):
+    async def main():
+        stream = _silent_stream(300)
+        job = _submit(worker, Job(stream, "completions", 60))
+        assert await asyncio.to_thread(lambda: _wait(lambda: stream.stats.new_tokens >= 3))
+        worker.cancel(job)
+        t0 = time.monotonic()
+        assert await asyncio.to_thread(worker.wait_idle, 30)
+        cancelled = (stream.stats.new_tokens, time.monotonic() - t0)
+        late = _silent_stream(300)
+        events = await collect(worker, _submit(worker, Job(late, "completions", 0.2)))
+        return cancelled, late, events
+
+    (tokens, took), late, events = asyncio.run(main())
+    assert tokens < 20 and took < 1.0, (tokens, took)  # 300 steps of >= 5 ms: it stopped at the next step
+    assert generations(worker, "cancelled") == 1
+    kind, end = events[-1]
+    assert kind == "end" and end.speculation["finish_reason"] == "timeout" and end.text == ""
+    assert 0 < late.stats.new_tokens < 150 and generations(worker, "timeout") == 1
+
+
+def _wait(cond, timeout=30.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+    return True

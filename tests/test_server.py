@@ -812,3 +812,21 @@ def test_the_tokenizer_is_never_used_by_two_threads_at_once():
         assert tok.calls > 100 and tok.overlaps == 0, (tok.calls, tok.overlaps)
     finally:
         srv.stop()
+
+
+def test_a_non_streamed_client_that_goes_away_frees_the_worker_while_text_flows():
+    """Deltas keep coming every 10 ms, yet the server notices within a poll that the client is gone."""
+    ctl = ControlledEngine(make_engine(), delay=0.01)
+    srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
+    try:
+        body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 450}
+        with httpx.Client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+            c.post(f"{srv.url}/v1/completions", json=body)
+        t0 = time.monotonic()
+        srv.wait_idle(30)
+        assert time.monotonic() - t0 < 2.0  # 450 tokens at >= 10 ms each would take 4.5 s more
+        m = metrics(srv.url)
+        assert metric(m, "specdecode_generations_total", finish_reason="cancelled") == 1
+        assert metric(m, "specdecode_generated_tokens_total") < 450
+    finally:
+        srv.stop()

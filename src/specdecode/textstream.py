@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .stats import Generation, Stats
 
@@ -25,13 +25,16 @@ class TextStream:
         """engine: what decodes ids to text (engine.decode); steps: the loop's committed ids, step by step."""
         self.engine, self.steps, self.stats, self.stops = engine, steps, stats, stops
         self.result: Generation | None = None
+        # checked after every step, whether or not it emitted text: True ends the generation there (the
+        # server's cancellation and deadline); what was sent is then the result's text
+        self.interrupt: Callable[[], bool] | None = None
 
     def __iter__(self) -> Iterator[str]:
         decode, stats = self.engine.decode, self.stats
         ids: list[int] = []
         text = ""  # the text of ids[:read], then the whole characters of ids[read:] so far (`pending` of them)
         context = read = pending = 0  # ids[context:read]: the tokens whose text was added last
-        sent = ""
+        sent, interrupted = "", False
         stops = StopMatcher(self.stops)
         t0 = time.perf_counter()
         try:
@@ -63,10 +66,13 @@ class TextStream:
                     yield delta
                 if cut is not None:
                     break
+                if self.interrupt is not None and self.interrupt():
+                    interrupted = True
+                    break
         finally:
             self.steps.close()  # frees the loop if the consumer stops early
             stats.wall_s = time.perf_counter() - t0
-        text = decode(ids) if stats.finish_reason != "stop" else sent
+        text = decode(ids) if stats.finish_reason != "stop" and not interrupted else sent
         if len(text) > len(sent) and text.startswith(sent):
             yield text[len(sent):]
         self.result = Generation(text, ids, stats)

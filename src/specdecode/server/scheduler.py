@@ -6,9 +6,11 @@ that has not started. The worker iterates it and hands each event to the job's a
 (loop.call_soon_threadsafe): ("delta", text) for each piece of text, then ("end", End) or
 ("error", APIError). Worker.events reads them on the request's side; nothing here knows about HTTP.
 
-Cancellation: a waiting job is taken out of the queue; a running one stops at its next delta.
-Deadlines: a job still waiting at its deadline gets a 503 (Worker.events); a running job that
-passes it ends with finish_reason "length" ("timeout" in its speculation stats).
+Cancellation: a waiting job is taken out of the queue; a running one stops at its next step (the
+stream's `interrupt`, checked after every step whether or not it emitted text). A client that goes away
+is noticed within POLL_S, while its events flow too. Deadlines: a job still waiting at its deadline gets
+a 503 (Worker.events); a running job that passes it ends at its next step with finish_reason "length"
+("timeout" in its speculation stats).
 """
 from __future__ import annotations
 
@@ -128,6 +130,10 @@ class Job:
         self.arrival = time.monotonic()
         self.deadline = self.arrival + timeout_s
 
+    def interrupted(self) -> bool:
+        """Whether the running generation must end now: its client is gone, or its deadline passed."""
+        return self.cancelled.is_set() or time.monotonic() > self.deadline
+
     def push(self, event: tuple) -> None:
         """From the worker thread: hand an event to the request's event loop."""
         try:
@@ -205,16 +211,18 @@ class Worker:
         whether the client went away (`disconnected`: then the job is cancelled and Disconnected raised) and
         whether the job is still queued at its deadline (then it is withdrawn and a 503 is the last event);
         with keepalive_s, ("wait", None) comes every keepalive_s seconds while the job waits in the queue."""
-        quiet_since = time.monotonic()
+        quiet_since = checked = time.monotonic()
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), timeout=POLL_S)
             except asyncio.TimeoutError:
                 event = None
-            if event is None:
-                if disconnected is not None and await disconnected():
+            if disconnected is not None and time.monotonic() - checked >= POLL_S * (event is not None):
+                checked = time.monotonic()  # every POLL_S, also while events flow
+                if await disconnected():
                     self.cancel(job)
                     raise Disconnected
+            if event is None:
                 now = time.monotonic()
                 if now > job.deadline and self.withdraw(job):
                     self.metrics.generations.labels(finish_reason="timeout").inc()
@@ -297,7 +305,7 @@ class Worker:
             job.push(("error", self.queue_timeout()))
             return
         parts: list[str] = []
-        reason = None  # why the worker ended the generation early: "cancelled" or "timeout"
+        job.stream.interrupt = job.interrupted  # checked by the stream after every step
         with self.lock:
             gen = iter(job.stream)
             try:
@@ -306,11 +314,7 @@ class Worker:
                         self.metrics.ttft.observe(time.monotonic() - job.arrival)
                     parts.append(delta)
                     job.push(("delta", delta))
-                    if job.cancelled.is_set():
-                        reason = "cancelled"
-                        break
-                    if time.monotonic() > job.deadline:
-                        reason = "timeout"
+                    if job.interrupted():
                         break
             except SpecDecodeError as e:  # raised before the first token (e.g. the context cannot hold the prompt)
                 self.metrics.generations.labels(finish_reason="error").inc()
@@ -319,6 +323,9 @@ class Worker:
             finally:
                 gen.close()  # stops the generation loop and times it
         stats = job.stream.stats
+        reason = None  # why the generation ended before its end: "cancelled" or "timeout"
+        if stats.finish_reason is None:
+            reason = "cancelled" if job.cancelled.is_set() else "timeout" if job.interrupted() else None
         finish = reason or ("length" if stats.finish_reason == "length" else "stop")
         self.metrics.record(stats, job.endpoint, job.arrival, finish, ttft_seen=bool(parts))
         if reason == "cancelled":
