@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def _ms(x) -> str:
-    return "n/a" if x is None else f"{x * 1000:.0f}"
+    return "n/a" if x is None else f"{x * 1000:.0f}" if x >= 0.1 else f"{x * 1000:.1f}"
 
 
 def markdown(results: dict) -> str:
@@ -54,6 +54,7 @@ def plot(results: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ticks = sorted({s["concurrency"] for srv in results["servers"].values() for s in srv["levels"]})
     for name, srv in results["servers"].items():
         levels = [s for s in srv["levels"] if "failed" not in s and s["tokens_per_s"] is not None]
         if not levels:
@@ -67,10 +68,12 @@ def plot(results: dict, path: Path) -> Path | None:
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(ylabel)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{results['config']['max_tokens']} new tokens, greedy, streamed; {results.get('cpu') or ''}",
-                 fontsize=9)
+    cpu = (results.get("cpu") or "").split(", flags")[0]
+    fig.suptitle(f"{results['config']['max_tokens']} new tokens, greedy, streamed; {cpu}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
