@@ -10,7 +10,17 @@ from .torch_lm import CachedLM
 
 __all__ = ["LM", "CachedLM", "LlamaLM", "as_lm", "BACKENDS", "BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET",
            "DRAFT_QUANT_CHOICES", "ChunkedGGUF", "assemble", "cache_dir", "check_draft_vocab", "converted",
-           "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend"]
+           "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend", "slots"]
+
+
+def slots(lm: LM, n: int, cells: int, lockstep, cost=None) -> list[LM]:
+    """n LMs on lm's weights whose passes run together (continuous batching: batching.py), sharing a cache of
+    `cells` entries; SpecDecodeError with lm.batch_error if its backend cannot."""
+    from ..errors import SpecDecodeError
+    if lm.batch_error is not None:
+        raise SpecDecodeError(lm.batch_error)
+    from .batching import SharedContext
+    return SharedContext(lm, n, cells, lockstep, cost).slots
 
 
 def __getattr__(name):

@@ -38,6 +38,9 @@ class LM(Protocol):
     quant_info: dict | None = None  # the draft requantization chosen at loading (llama.cpp); None: the file as is
     hf_model = None  # the Hugging Face model behind it (torch), for transformers' own generation; None: none
     exact: bool = False  # loaded so that passes can be bit-exact (exactness.py measures which); llama.cpp: exact=True
+    # why several generations cannot share its passes (continuous batching, slots()); None: they can (llama.cpp)
+    batch_error: str | None = ("continuous batching (several generations in one pass) needs the llama.cpp backend; "
+                               "this backend runs one generation at a time")
 
     def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
         """Append new_ids to the cache in one pass; float32 logits [n, V] (the last row only with

@@ -88,19 +88,20 @@ class LlamaLM(LM):
 
     backend = "llama.cpp"
     max_tree_nodes = MAX_SEQ - 1  # sequence 0 is the trunk: one sequence id per tree node
+    seq0, park = 0, PARK  # the trunk's sequence id and exact mode's parking one (a batch slot has its own)
+    chunk = N_BATCH  # a causal feed goes in passes of at most this many tokens
+    batch_error = None  # several generations share passes: batching.SharedContext
 
     def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None, exact: bool = False,
                  repack: bool = True, f32_kv: bool = False, flash_attn: int | None = None):
-        """exact: passes can compute each token's logits bit for bit as a pass of that token alone would
-        (specdecode's exact greedy mode): flash attention on (its kernel works one query row at a time; the
-        plain attention's matrix products change kernels with the pass size) and tree nodes that were not
-        accepted but sit before an accepted one kept as parked cells (attention sums cells in cache order, so
-        later text must not fill those holes). Which pass sizes stay exact is measured (exactness.py): with
-        repacked weights (repack, llama.cpp's default) a group of 4 tokens takes another kernel, so passes of
-        1-3 tokens; with repack=False, 1-7 (K-quants go tiled from 8 unless GGML_CPU_TILED_MM=0), but
-        slower (measured on a Zen 4: a 1-token pass 35 -> 44-53 ms).
-        f32_kv: keys and values in F32 and flash attention off (slower): logits then no longer depend on
-        where in the cache a token's entry sits, so rollbacks can be checked to ~1e-6 (certify does).
+        """exact: passes can compute each token's logits bit for bit as a pass of that token alone would (exact
+        greedy mode): flash attention on (one query row at a time; plain attention's matrix products change
+        kernels with the pass size), and rejected tree nodes below an accepted one kept as parked cells (attention
+        sums cells in cache order: later text must not fill those holes). exactness.py measures which pass sizes
+        stay exact: 1-3 with repacked weights (repack, the default: groups of 4 take another kernel); 1-7 without
+        (K-quants go tiled from 8), but a 1-token pass is slower (Zen 4: 35 -> 44-53 ms).
+        f32_kv: F32 keys/values, flash attention off (slower): logits independent of where a token's entry sits
+        in the cache, so rollbacks can be checked to ~1e-6 (certify does).
         flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: off, as llama-cpp-python's Llama runs plain decoding:
         measured on a 2-vCPU Zen 4, a decode step at 1,400 tokens: 47 ms off, 51 ms with llama.cpp's auto)."""
         lc = self._lc = _lib()
@@ -246,7 +247,7 @@ class LlamaLM(LM):
         return i if i < self.trunk else self.pos[i - self.trunk]
 
     def _seq_of(self, i: int) -> int:
-        return 0 if i < self.trunk else self.seq[i - self.trunk]
+        return self.seq0 if i < self.trunk else self.seq[i - self.trunk]
 
     def _parent(self, i: int) -> int:
         return i - 1 if i < self.trunk else self.parent[i - self.trunk]
@@ -278,10 +279,10 @@ class LlamaLM(LM):
             j += 1
         if j == n:  # a causal chain: split into batches of N_BATCH
             out = []
-            for a in range(0, n, N_BATCH):
-                chunk = new_ids[a:a + N_BATCH]
+            for a in range(0, n, self.chunk):
+                chunk = new_ids[a:a + self.chunk]
                 last = a + len(chunk) == n
-                rows = self._decode([(t, start + a + k, [0], not last_only or (last and k == len(chunk) - 1))
+                rows = self._decode([(t, start + a + k, [self.seq0], not last_only or (last and k == len(chunk) - 1))
                                      for k, t in enumerate(chunk)])
                 if rows is not None:
                     out.append(rows)
@@ -305,7 +306,7 @@ class LlamaLM(LM):
             if par < trunk_after and par != trunk_after - 1:
                 raise ValueError(f"token {b} of a tree pass hangs off entry {par}, inside the committed text; "
                                  f"a tree hangs off its last entry ({trunk_after - 1})")
-        seqs = [[0] for _ in range(n_trunk)]  # the batch's sequence ids per token (own id first)
+        seqs = [[self.seq0] for _ in range(n_trunk)]  # the batch's sequence ids per token (own id first)
         pos = list(range(start, start + n_trunk))
         new_parent, new_seq = [], []
         for b in range(n_trunk, n):
@@ -321,14 +322,14 @@ class LlamaLM(LM):
                 a = parents[a - start]
             if a >= 0:
                 src = self._seq_of(a)
-                lc.llama_memory_seq_cp(self._mem, src, sid, -1, -1 if src == 0 else self._position(a) + 1)
+                lc.llama_memory_seq_cp(self._mem, src, sid, -1, -1 if src == self.seq0 else self._position(a) + 1)
         try:
             rows = self._decode([(new_ids[b], pos[b], seqs[b], not last_only or b == n - 1) for b in range(n)])
         except BaseException:  # give the ids back, and drop whatever the failed pass left in the cache
             for sid in new_seq:
                 lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
                 self._free.append(sid)
-            lc.llama_memory_seq_rm(self._mem, 0, start, -1)
+            lc.llama_memory_seq_rm(self._mem, self.seq0, start, -1)
             raise
         self.ids.extend(new_ids)
         self.trunk = trunk_after
@@ -378,19 +379,19 @@ class LlamaLM(LM):
             return
         if branch:  # the accepted branch joins sequence 0 at the positions it was computed at
             last = branch[-1]
-            lc.llama_memory_seq_cp(self._mem, self._seq_of(last), 0, self.trunk, self._position(last) + 1)
+            lc.llama_memory_seq_cp(self._mem, self._seq_of(last), self.seq0, self.trunk, self._position(last) + 1)
             if self.exact:  # a rejected node below the last accepted one keeps its cell, under PARK
                 kept = set(branch)
                 for i in range(self.trunk, last):
                     if i not in kept:
                         p = self._position(i)
-                        lc.llama_memory_seq_cp(self._mem, self._seq_of(i), PARK, p, p + 1)
+                        lc.llama_memory_seq_cp(self._mem, self._seq_of(i), self.park, p, p + 1)
                         self._parked += 1
         for sid in self.seq:
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
             self._free.append(sid)
         new_len = m + len(branch)
-        if not lc.llama_memory_seq_rm(self._mem, 0, new_len, -1):
+        if not lc.llama_memory_seq_rm(self._mem, self.seq0, new_len, -1):
             raise SpecDecodeError("llama.cpp could not roll back this model's cache (recurrent state?)")
         self.ids = self.ids[:m] + [self.ids[i] for i in branch]
         self.trunk = new_len

@@ -1,0 +1,231 @@
+"""Continuous batching on llama.cpp: several generations, each on its own thread with its own LM (a slot),
+share one llama.cpp context, and their passes run together in one `llama_decode`.
+
+- SharedContext: a second context on a loaded LlamaLM's weights, with room for every slot (one unified KV
+  buffer); its cells are split evenly between the slots, and so are the sequence ids (each slot: one trunk id,
+  in exact mode a parking id, and its share of the tree-node ids). Sequence ids keep the slots apart: a query
+  sees only the cells of its own sequence, so a slot's logits are those of a generation alone, up to the
+  kernel paths the pass size selects (exact mode: see Lockstep's max_pass).
+- LlamaSlot: an LlamaLM (the same bookkeeping: trunk, tree, rollback) on its slot's ids; its passes go
+  through the Lockstep instead of llama_decode.
+- Lockstep: a pass waits until every live generation waits for a pass (or the guard time passed), then the
+  waiting passes of one context run together, split into several llama_decode calls where the measured cost
+  of whole passes says that is cheaper (a pass size whose kernel is slow per token is avoided).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import numpy as np
+
+from ..errors import SpecDecodeError
+from .llamacpp import MAX_SEQ, N_BATCH, LlamaLM
+
+GUARD_S = 0.02  # a pass waits at most this long for live generations that have not asked for theirs yet
+
+
+class Lockstep:
+    """Runs the passes of several threads together. `generation()` marks a thread's generation as live while
+    it runs: a pass then waits for the other live generations' passes (they come within the Python work of a
+    step: verifying, drafting from a lookup, detokenizing) and all run in one go."""
+
+    def __init__(self, guard_s: float = GUARD_S):
+        self.guard_s = guard_s
+        self._cv = threading.Condition()
+        self._live = 0
+        self._waiting = 0
+        self._busy = False
+        self._queues: dict[SharedContext, list] = {}
+        self.passes = 0  # llama_decode calls made
+        self.rows = 0  # requests (one slot's pass each) they carried
+
+    @property
+    def live(self) -> int:
+        return self._live
+
+    @contextmanager
+    def generation(self):
+        with self._cv:
+            self._live += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._live -= 1
+                self._cv.notify_all()
+
+    def run(self, shared: "SharedContext", tokens: list) -> np.ndarray | None:
+        """One slot's pass (tokens as LlamaLM._decode takes them), run together with the others'."""
+        req = [tokens, None, None]  # tokens, logits rows, error
+        with self._cv:
+            self._queues.setdefault(shared, []).append(req)
+            self._waiting += 1
+            self._cv.notify_all()
+            deadline = time.monotonic() + self.guard_s
+            while req[1] is None and req[2] is None:
+                now = time.monotonic()
+                if not self._busy and (self._waiting >= self._live or now >= deadline):
+                    ctx = max(self._queues, key=lambda c: len(self._queues[c]))
+                    batch = self._queues.pop(ctx)
+                    self._busy = True
+                    self._cv.release()
+                    try:
+                        self.passes += ctx.decode(batch)
+                        self.rows += len(batch)
+                    finally:
+                        self._cv.acquire()
+                        self._busy = False
+                        self._waiting -= len(batch)
+                        self._cv.notify_all()
+                    deadline = time.monotonic() + self.guard_s
+                else:
+                    self._cv.wait(max(1e-4, deadline - now) if not self._busy else None)
+        if req[2] is not None:
+            raise req[2]
+        return req[1]
+
+
+def plan_split(sizes: list[int], cost: Callable[[int], float] | None, cap: int = N_BATCH) -> list[int]:
+    """Where to cut a list of passes (their token counts, in order) into llama_decode calls: the cut that
+    costs least by `cost` (seconds of one pass over n tokens; None: one call per N_BATCH tokens), with every
+    call at most `cap` tokens. Returns the number of passes in each call."""
+    n = len(sizes)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        total = 0
+        for i in range(j - 1, -1, -1):  # the call holding passes i .. j-1
+            total += sizes[i]
+            if total > cap and i < j - 1:
+                break
+            c = best[i] + (cost(total) if cost is not None else 1.0)
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j:
+        groups.append(j - cut[j])
+        j = cut[j]
+    return groups[::-1]
+
+
+class SharedContext:
+    """One llama.cpp context on `lm`'s weights that `slots` slots share (see the module's doc)."""
+
+    def __init__(self, lm: LlamaLM, slots: int, cells: int, lockstep: Lockstep, cost=None):
+        lc = self._lc = lm._lc
+        park = 1 if lm.exact else 0
+        per = (MAX_SEQ - slots * (1 + park)) // slots
+        if slots < 1 or per < 1:
+            raise SpecDecodeError(f"a llama.cpp context holds {MAX_SEQ} sequences: at most {MAX_SEQ // (2 + park)} "
+                                  f"slots, not {slots}")
+        self.lm, self.lockstep, self.cost = lm, lockstep, cost
+        cparams = type(lm._cparams).from_buffer_copy(lm._cparams)
+        cparams.n_ctx = max(cells, N_BATCH)
+        self.ctx = lc.llama_init_from_model(lm._model, cparams)
+        if not self.ctx:
+            raise SpecDecodeError(f"llama.cpp could not create a context of {cells} cells for {slots} slots (memory?)")
+        self.mem = lc.llama_get_memory(self.ctx)
+        self.cells = int(lc.llama_n_ctx(self.ctx))
+        self._batch = lc.llama_batch_init(N_BATCH, 0, MAX_SEQ)
+        ids = list(range(MAX_SEQ))
+        self.slots = []
+        for s in range(slots):
+            own, ids = ids[:1 + park + per], ids[1 + park + per:]
+            self.slots.append(LlamaSlot(self, own[0], own[1] if park else None, own[1 + park:], self.cells // slots))
+
+    def decode(self, batch: list) -> int:
+        """Run the waiting passes (requests [tokens, rows, error], filled in here); returns the calls made."""
+        sizes = [len(r[0]) for r in batch]
+        groups = plan_split(sizes, self.cost)
+        at = 0
+        for g in groups:
+            part = batch[at:at + g]
+            at += g
+            try:
+                rows = self._decode([t for r in part for t in r[0]])
+                k = 0
+                for r in part:
+                    n = sum(1 for t in r[0] if t[3])
+                    r[1] = rows[k:k + n] if n else np.zeros((0, self.lm.vocab_size), np.float32)
+                    k += n
+            except Exception as e:  # every pass of the failed call fails, the others go on
+                for r in part:
+                    r[2] = e
+        return len(groups)
+
+    def _decode(self, tokens: list) -> np.ndarray:
+        lc, batch = self._lc, self._batch
+        for i, (tok, p, seqs, want) in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, p, len(seqs), want
+            for k, s in enumerate(seqs):
+                batch.seq_id[i][k] = s
+        batch.n_tokens = len(tokens)
+        rc = lc.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched pass; "
+                                  f"{self.cells} cells shared by {len(self.slots)} slots)")
+        n_out = sum(1 for t in tokens if t[3])
+        if not n_out:
+            return np.zeros((0, self.lm.vocab_size), np.float32)
+        return np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n_out, self.lm.vocab_size)).copy()
+
+    def __del__(self):
+        lc = getattr(self, "_lc", None)
+        if lc is not None and getattr(self, "_batch", None) is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if lc is not None and getattr(self, "ctx", None):
+            lc.llama_free(self.ctx)
+            self.ctx = None
+
+
+class LlamaSlot(LlamaLM):
+    """One slot of a SharedContext: LlamaLM's bookkeeping on the slot's own sequence ids and share of cells."""
+
+    def __init__(self, shared: SharedContext, seq0: int, park: int | None, node_ids: list[int], cells: int):
+        lm = shared.lm
+        for name in ("_lc", "path", "exact", "repack", "_model", "_vocab", "vocab_size", "threads", "_cparams",
+                     "device", "dtype", "name", "eos_token_ids", "n_params", "quant_info"):
+            setattr(self, name, getattr(lm, name))
+        self._shared, self._ctx, self._mem, self._cells = shared, shared.ctx, shared.mem, cells
+        self.seq0, self.park, self._node_ids = seq0, park, list(node_ids)
+        self.max_tree_nodes = len(node_ids)
+        self.max_length = min(lm.max_length, cells - len(node_ids))
+        self._batch = None
+        self.ids, self.seq = [], []
+        self.reset()
+
+    prefill_chunk = N_BATCH  # tokens per pass of a causal feed while other generations are live
+
+    @property
+    def chunk(self) -> int:
+        return self.prefill_chunk if self._shared.lockstep.live > 1 else N_BATCH
+
+    def describe(self) -> str:
+        return self._shared.lm.describe()
+
+    def reserve(self, n: int) -> None:
+        if n > self.max_length:
+            raise SpecDecodeError(f"{n} tokens do not fit in a batch slot: {self.max_length} tokens each "
+                                  f"({self._shared.cells} cells shared by {len(self._shared.slots)} slots; a "
+                                  "bigger context holds more)")
+
+    def reset(self) -> None:
+        lc = self._lc
+        for sid in (self.seq0, *self.seq, *((self.park,) if self.park is not None else ())):
+            lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        self.ids, self.trunk, self.parent, self.pos, self.seq = [], 0, [], [], []
+        self._free = self._node_ids[::-1]
+        self._parked = 0
+
+    def _decode(self, tokens):
+        return self._shared.lockstep.run(self._shared, tokens)
+
+    def synchronize(self) -> None:
+        pass  # a pass has ended when Lockstep.run returns
+
+    def __del__(self):
+        pass  # the SharedContext owns the context, the loaded LlamaLM the weights

@@ -1,0 +1,93 @@
+"""Continuous batching: `Slots(engine, n)` makes n Engines on one loaded Engine's weights whose generations,
+each on its own thread, share every target (and draft) pass: one llama_decode carries each live generation's
+root token and guesses (backends/batching.py). Generations join and leave between steps; a prompt is read in
+chunks while others are decoding, so that it does not freeze them.
+
+    >>> slots = Slots(Engine.load(), 4)
+    >>> outs = slots.generate_many(["def fib(n):", "def add(a, b):"], method="auto", max_new_tokens=64)
+
+Each slot is an ordinary Engine (`slots.engines[i]`): run a generation on it inside `slots.generation()` from
+its own thread, one generation per slot at a time. Each request's output law is that of the target alone: a
+slot's logits read only its own cache cells (its own sequence ids). The kernels llama.cpp picks depend on the
+size of the whole pass, so greedy output can differ from a generation alone at near-ties, as it can between
+pass sizes; exact mode runs one generation at a time (Slots refuses an exact Engine).
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+from .backends import slots as make_slots
+from .backends.batching import Lockstep
+from .engine import Engine
+from .errors import SpecDecodeError
+from .stats import Generation
+
+PREFILL_CHUNK = 64  # tokens of a prompt per pass while other generations decode (see Slots.prefill_chunk)
+
+
+class Slots:
+    def __init__(self, engine: Engine, n: int, cells: int | None = None, prefill_chunk: int | None = None):
+        """n slots sharing a context of `cells` KV entries (default: 4,096 per slot, within the model's context),
+        split evenly. The pass costs of `engine` (measured once per machine) decide how waiting passes are cut
+        into llama_decode calls."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise SpecDecodeError(f"the number of slots must be a positive integer, got {n!r}")
+        if engine.target.batch_error is not None:  # before any cost measurement
+            raise SpecDecodeError(engine.target.batch_error)
+        if engine.exact:  # llama.cpp places each token's cell itself: sharing a cache breaks the cell order
+            raise SpecDecodeError("exact mode runs one generation at a time: in a cache shared by several generations "
+                                  "llama.cpp may place a token's cell before its earlier ones, and attention then sums "
+                                  "in another order")
+        self.engine, self.n = engine, n
+        self.lockstep = Lockstep()
+        costs = engine.tree_costs()
+        cells = cells or n * min(4096, engine.target.max_length)
+        targets = make_slots(engine.target, n, cells, self.lockstep, lambda k: costs.t(k))
+        drafts = [None] * n
+        if engine.draft_model is not None:
+            drafts = make_slots(engine.draft_model.lm, n, cells, self.lockstep, lambda k: costs.d(k))
+        self.engines = []
+        for target, draft in zip(targets, drafts):
+            e = Engine(target, copy.deepcopy(engine.tokenizer), draft, draft_window=getattr(engine.draft_model,
+                       "window", None))
+            e.costs, e.datastore, e.progress = costs, engine.datastore, engine.progress
+            target.prefill_chunk = prefill_chunk or PREFILL_CHUNK
+            self.engines.append(e)
+
+    def generation(self):
+        """Mark the calling thread's generation as live while it runs (its passes then wait for the others')."""
+        return self.lockstep.generation()
+
+    def run(self, i: int, prompt, **kwargs) -> Generation:
+        """Generate on slot i from the calling thread (a live generation while it runs)."""
+        with self.generation():
+            return self.engines[i].generate(prompt, **kwargs)
+
+    def generate_many(self, prompts: list, **kwargs) -> list[Generation]:
+        """Generate every prompt, up to n at a time, each on a slot of its own; results in the prompts' order.
+        The first error raised by a generation is raised here after the others end."""
+        results: list = [None] * len(prompts)
+        todo = list(range(len(prompts)))[::-1]
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+
+        def worker(i: int) -> None:
+            while True:
+                with lock:
+                    if not todo or errors:
+                        return
+                    k = todo.pop()
+                try:
+                    results[k] = self.run(i, prompts[k], **kwargs)
+                except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+                    with lock:
+                        errors.append(e)
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(min(self.n, len(prompts)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results

@@ -1,0 +1,135 @@
+"""Continuous batching (slots.py, backends/batching.py): generations on their own threads share llama.cpp passes;
+each one's output is that of the generation alone."""
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from specdecode import Engine
+from specdecode.backends.batching import Lockstep, plan_split
+from specdecode.errors import SpecDecodeError
+from specdecode.slots import Slots
+
+from tiny import byte_tokenizer, tiny_model
+
+PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat; the cat sat on the", "hello world", "xyz xyz xyz xyz",
+           "one two three one two three"]
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    from tinygguf import write_tiny_gguf
+    return write_tiny_gguf(tmp_path_factory.mktemp("batching") / "tiny.gguf", 0, hidden=128)
+
+
+@pytest.fixture(scope="module")
+def engine(gguf):
+    from specdecode.backends.llamacpp import LlamaLM
+    tok = byte_tokenizer()
+    e = Engine(LlamaLM(gguf, threads=1), tok, LlamaLM(gguf, threads=1), tok)
+    e.progress = False
+    return e
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "pld", "draft", "tree", "auto"])
+def test_greedy_output_with_company_is_the_output_alone(engine, method):
+    alone = [engine.generate(p, method=method, max_new_tokens=32).token_ids for p in PROMPTS]
+    slots = Slots(engine, 3)
+    outs = slots.generate_many(PROMPTS, method=method, max_new_tokens=32)
+    assert [o.token_ids for o in outs] == alone
+    assert slots.lockstep.rows > slots.lockstep.passes  # passes really carried several generations
+
+
+def test_mixed_methods_lengths_and_sampling_run_together(engine):
+    """Different methods, lengths and sampling settings in the same passes; seeded sampling as alone."""
+    jobs = [dict(method="autoregressive", max_new_tokens=7), dict(method="tree", max_new_tokens=40),
+            dict(method="draft", gamma=3, max_new_tokens=25, temperature=0.9, seed=3),
+            dict(method="pld", max_new_tokens=30)]
+    alone = [engine.generate(p, **kw).token_ids for p, kw in zip(PROMPTS, jobs)]
+    slots = Slots(engine, len(jobs))
+    out = [None] * len(jobs)
+
+    def go(i):
+        out[i] = slots.run(i, PROMPTS[i], **jobs[i]).token_ids
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [len(o) for o in out] == [len(a) for a in alone]
+    assert out[0] == alone[0] and out[1] == alone[1] and out[3] == alone[3]
+
+
+def test_long_prompt_is_read_in_chunks_while_others_decode(engine):
+    slots = Slots(engine, 2, prefill_chunk=16)
+    long = "lorem ipsum dolor sit amet " * 8  # 216 byte tokens: 14 chunks of 16
+    seen = []
+    real = slots.engines[1].target._shared.decode
+
+    def spy(batch):
+        seen.extend(len(r[0]) for r in batch)
+        return real(batch)
+    slots.engines[1].target._shared.decode = spy
+    outs = slots.generate_many([PROMPTS[0], long], method="autoregressive", max_new_tokens=24)
+    assert outs[1].token_ids == engine.generate(long, method="autoregressive", max_new_tokens=24).token_ids
+    assert seen.count(16) >= 13 and max(seen) < 100  # the 216-token prompt went in chunks of 16
+
+
+def test_a_live_generation_that_stalls_does_not_hang_the_others(engine):
+    slots = Slots(engine, 2)
+    stalled = threading.Event()
+
+    def idle_live():
+        with slots.generation():  # live, but never asks for a pass
+            stalled.wait(5)
+    t = threading.Thread(target=idle_live)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        out = slots.run(0, PROMPTS[0], method="autoregressive", max_new_tokens=8)
+        assert len(out.token_ids) == 8 and time.monotonic() - t0 < 4  # each pass waited the guard time at most
+    finally:
+        stalled.set()
+        t.join()
+
+
+def test_a_failed_pass_fails_its_own_generation_only(engine):
+    slots = Slots(engine, 2)
+    with pytest.raises(SpecDecodeError, match="do not fit in a batch slot"):
+        slots.run(0, "a" * 20, method="autoregressive", max_new_tokens=10**6)
+    assert len(slots.run(1, PROMPTS[0], method="autoregressive", max_new_tokens=4).token_ids) == 4
+
+
+def test_plan_split_follows_the_measured_cost():
+    flat = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 3.0, 6: 3.1, 7: 3.2, 8: 9.0}  # a kernel that is slow from 5 tokens
+    cost = lambda n: flat.get(n, 9.0 + n)  # noqa: E731
+    assert plan_split([1, 1, 1, 1], cost) == [4]
+    assert plan_split([2, 2, 2, 2], cost) == [2, 2]  # two passes of 4 beat one of 8
+    assert plan_split([1] * 8, lambda n: n) in ([8], [1] * 8) or sum(plan_split([1] * 8, lambda n: n)) == 8
+    assert plan_split([300, 300], None) == [1, 1]  # over one llama_decode's batch
+    assert plan_split([600], None) == [1]  # a lone pass is never split here (the slot feeds in chunks)
+
+
+def test_lockstep_runs_a_thread_outside_any_generation_at_once():
+    class Fake:
+        def decode(self, batch):
+            for r in batch:
+                r[1] = [len(r[0])]
+            return 1
+    step = Lockstep()
+    assert step.run(Fake(), [1, 2, 3]) == [3]
+
+
+def test_slots_need_a_backend_that_batches_and_no_exact_mode(gguf):
+    tok = byte_tokenizer()
+    with pytest.raises(SpecDecodeError, match="needs the llama.cpp backend"):
+        Slots(Engine(tiny_model(0), tok), 2)
+    from specdecode.backends.llamacpp import LlamaLM
+    with pytest.raises(SpecDecodeError, match="exact mode runs one generation at a time"):
+        Slots(Engine(LlamaLM(gguf, threads=1, exact=True), tok, exact=True), 2)
+    with pytest.raises(SpecDecodeError, match="positive integer"):
+        Slots(Engine(LlamaLM(gguf, threads=1), tok), 0)
+    with pytest.raises(SpecDecodeError, match="at most"):
+        Slots(Engine(LlamaLM(gguf, threads=1), tok), 200)
