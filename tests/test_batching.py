@@ -133,3 +133,17 @@ def test_slots_need_a_backend_that_batches_and_no_exact_mode(gguf):
         Slots(Engine(LlamaLM(gguf, threads=1), tok), 0)
     with pytest.raises(SpecDecodeError, match="at most"):
         Slots(Engine(LlamaLM(gguf, threads=1), tok), 200)
+
+
+def test_costs_in_company_are_what_a_pass_adds():
+    from specdecode.planning.costs import CostModel
+    from specdecode.slots import InCompany
+    table = {1: 0.079, 2: 0.119, 4: 0.181, 8: 0.462}  # Zen 3's T(k): a pass of 8 takes a slower kernel
+    company = [0]
+    costs = InCompany(CostModel(table, {1: 0.03, 2: 0.04}), lambda: company[0])
+    assert costs.at(128).t(1) == pytest.approx(0.079)  # alone: the table
+    company[0] = 3
+    now = costs.at(128)
+    assert now.t(1) == pytest.approx(0.181 - (0.119 + 0.181) / 2)  # T(4) - T(3), T(3) interpolated
+    assert now.t(5) / now.t(1) > 5  # 4 guesses push the pass to the slow kernel: dearer per token than plain
+    assert now.d(1) == pytest.approx(0.03 * 4 / 2 - (0.04 + 0.01 * 1))  # the draft's pass likewise

@@ -21,6 +21,7 @@ from .backends import slots as make_slots
 from .backends.batching import Lockstep
 from .engine import Engine
 from .errors import SpecDecodeError
+from .planning.costs import CostModel
 from .stats import Generation
 
 PREFILL_CHUNK = 64  # tokens of a prompt per pass while other generations decode (see Slots.prefill_chunk)
@@ -51,9 +52,13 @@ class Slots:
         for target, draft in zip(targets, drafts):
             e = Engine(target, copy.deepcopy(engine.tokenizer), draft, draft_window=getattr(engine.draft_model,
                        "window", None))
-            e.costs, e.datastore, e.progress = costs, engine.datastore, engine.progress
+            e.costs, e.datastore, e.progress = InCompany(costs, self._company), engine.datastore, engine.progress
             target.prefill_chunk = prefill_chunk or PREFILL_CHUNK
             self.engines.append(e)
+
+    def _company(self) -> int:
+        """Tokens the other live generations put into a pass (one each, at least)."""
+        return max(0, self.lockstep.live - 1)
 
     def generation(self):
         """Mark the calling thread's generation as live while it runs (its passes then wait for the others')."""
@@ -91,3 +96,23 @@ class Slots:
         if errors:
             raise errors[0]
         return results
+
+
+class InCompany(CostModel):
+    """What a generation's pass adds to a shared one: with b tokens of other generations in it, n tokens of
+    this one cost T(b + n) - T(b) (likewise for the draft's passes). The planner, reading these, weighs a guess
+    against a plain step at their cost in company: where a bigger pass costs about as much per token as
+    another plain step (compute-bound kernels) or jumps to a slower kernel, speculation shrinks or stops as
+    the batch grows; where a pass is flat in its size (memory-bound), guesses stay cheap."""
+
+    def __init__(self, base: CostModel, company):
+        super().__init__(base.target, base.draft, base.target_at, base.draft_at)
+        self.company = company  # () -> tokens of the other generations in a pass
+
+    def at(self, context: int, draft_context: int | None = None) -> CostModel:
+        now, b = super().at(context, draft_context), self.company()
+        if b <= 0:
+            return now
+        floor = 0.05 * now.t(1)  # a pass is never free
+        return CostModel({n: max(floor, now.t(b + n) - now.t(b)) for n in now.target},
+                         {k: max(0.05 * now.d(1), now.d(b + k) - now.d(b)) for k in now.draft} if now.draft else {})
