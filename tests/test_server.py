@@ -23,6 +23,7 @@ from tiny import byte_tokenizer, tiny_model
 from specdecode import METHODS, Engine, SpecDecodeError
 from specdecode.cli import main
 from specdecode.server import create_app, engine_lock
+from specdecode.server.app import Server
 
 MODEL = "tiny"
 KEY = "sk-test-0123456789"
@@ -52,7 +53,7 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"))  # serve's uvicorn
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -679,6 +680,8 @@ def test_metrics_move(live):
     (["serve", "--timeout", "0"], "timeout"),
     (["serve", "--gamma", "0"], "gamma"),
     (["serve", "--port", "70000"], "port"),
+    (["serve", "--max-tokens", "0"], "max-tokens"),
+    (["serve", "--ctx-size", "1"], "ctx-size"),
     (["serve", "--target", "somewhere", "--method", "draft"], "draft model"),
 ])
 def test_serve_usage_errors(args, match, capsys):
@@ -698,7 +701,8 @@ def test_serve_command_matches_generate(tiny_dirs, capsys):
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECDECODE_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "specdecode", "serve", "--target", str(target), "--draft",
-                             str(draft), "--gamma", "3", "--port", str(port), "--served-model-name", MODEL],
+                             str(draft), "--gamma", "3", "--port", str(port), "--served-model-name", MODEL,
+                             "--max-tokens", "16", "--ctx-size", "100"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -714,6 +718,15 @@ def test_serve_command_matches_generate(tiny_dirs, capsys):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         out = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0)
         assert out.choices[0].text == cli_text
+        head = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(f"{url}/v1/completions", headers=head,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 17})  # over --max-tokens
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = httpx.post(f"{url}/v1/completions", headers=head,
+                       json={"model": MODEL, "prompt": "x" * 90, "max_tokens": 16})  # 90 + 16 > --ctx-size 100
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = httpx.post(f"{url}/v1/completions", headers=head, json={"model": MODEL, "prompt": "x" * 90})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 10  # the Engine stops at 100
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -828,5 +841,77 @@ def test_a_non_streamed_client_that_goes_away_frees_the_worker_while_text_flows(
         m = metrics(srv.url)
         assert metric(m, "specdecode_generations_total", finish_reason="cancelled") == 1
         assert metric(m, "specdecode_generated_tokens_total") < 450
+    finally:
+        srv.stop()
+
+
+def test_cost_measurement_happens_at_start_up_never_in_a_request():
+    engine = make_engine()
+    srv = LiveServer(create_app(engine, model_id=MODEL, method="draft", gamma=3))  # a method without costs
+    try:
+        assert engine.costs is not None  # measured before the first request, for any method a request may ask for
+    finally:
+        srv.stop()
+
+
+def test_shutdown_while_a_pass_runs_ends_the_stream_with_an_error_event():
+    ctl = ControlledEngine(make_engine(), delay=0.02)
+    srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
+    body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        t0 = time.monotonic()
+        stopper = threading.Thread(target=srv.stop, daemon=True)
+        stopper.start()
+        rest = [line for line in lines if line]
+    stopper.join(30)
+    assert not stopper.is_alive() and time.monotonic() - t0 < 3  # 400 tokens at >= 20 ms would take 8 s
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
+
+
+class _FailingStream(_ControlledStream):
+    """Two deltas, then `how`: "raise" (the generation fails) or "unserializable" (its stats cannot be sent)."""
+
+    def __init__(self, inner, ctl, how):
+        super().__init__(inner, ctl)
+        self.how = how
+
+    @property
+    def stats(self):
+        stats = self.inner.stats
+        if self.how != "unserializable":
+            return stats
+
+        class Bad:
+            def __getattr__(self, name):
+                return getattr(stats, name)
+
+            def as_dict(self):
+                return {**stats.as_dict(), "bad": object()}
+        return Bad()
+
+    def __iter__(self):
+        for i, delta in enumerate(self.inner):
+            if i == 2 and self.how == "raise":
+                raise RuntimeError("boom")
+            yield delta
+
+
+@pytest.mark.parametrize("how", ["raise", "unserializable"])
+def test_an_error_after_the_stream_began_ends_it_with_an_error_event(how):
+    ctl = ControlledEngine(make_engine())
+    ctl.stream = lambda prompt, **kw: _FailingStream(ctl._engine.stream(prompt, **kw), ctl, how)
+    srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line]
+        assert events[-1] == "data: [DONE]", events
+        assert json.loads(events[-2][6:])["error"]["code"] == "internal_error"
+        assert httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False}).status_code == 500
+        assert httpx.get(f"{srv.url}/health").json()["busy"] is False  # and the server goes on
     finally:
         srv.stop()

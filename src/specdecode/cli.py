@@ -100,6 +100,16 @@ def _serve_parser(sub) -> None:
                                                              "more get 503 with Retry-After (default 16)")
     s.add_argument("--timeout", type=float, default=300.0, help="longest a request may take, in seconds "
                                                                 "(default 300)")
+    s.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens a request may generate, and the default (default: the context)")
+    s.add_argument("--ctx-size", type=int, default=None, metavar="N",
+                   help="the most tokens of prompt and output a request may use (default: the model's context)")
+    r = s.add_argument_group("Ray Serve: replicas, on one machine or a Ray cluster (needs the ray extra)")
+    r.add_argument("--ray", action="store_true", help="serve as Ray Serve replicas, each with its own models (on "
+                                                      "$RAY_ADDRESS or a local `ray start`'s cluster, else a new one)")
+    r.add_argument("--replicas", type=int, default=None, metavar="N", help="with --ray: N replicas (default 1)")
+    r.add_argument("--autoscale", default=None, metavar="MIN,MAX",
+                   help="with --ray: between MIN and MAX replicas, scaled on each one's queued and running requests")
 
 
 def _loadtest_parser(sub) -> None:
@@ -298,7 +308,7 @@ def generate(args) -> None:
 
 # what `specdecode serve` and `specdecode bench` import beyond the core, and the extra that installs it
 EXTRAS = {"serve": ("server", ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "anyio")),
-          "bench": ("bench", ("matplotlib",))}
+          "bench": ("bench", ("matplotlib",)), "serve --ray": ("ray", ("ray",))}
 
 
 def require_extra(command: str) -> None:
@@ -326,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
             return loadtest(args)
         elif args.command == "serve":
             require_extra("serve")
+            if args.ray or args.replicas is not None or args.autoscale is not None:
+                if not args.ray or (args.replicas is not None and args.autoscale is not None):
+                    raise SpecDecodeError("--replicas and --autoscale go with --ray, and only one of them")
+                require_extra("serve --ray")
+                from .server import serve_ray
+                return serve_ray(args) or 0
             from .server import serve
             serve(args)
     except SpecDecodeError as e:

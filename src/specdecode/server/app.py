@@ -9,6 +9,7 @@ import secrets
 from contextlib import asynccontextmanager
 
 import anyio
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -19,7 +20,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import SpecDecodeError
-from ..methods import METHOD_TABLE, REQUIRED, get_method, uses_cost_model, wants_draft_model
+from ..methods import METHOD_TABLE, REQUIRED, get_method, wants_draft_model
 from . import protocol as p
 from .protocol import APIError
 from .scheduler import Metrics, Worker
@@ -177,6 +178,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
 
     @asynccontextmanager
     async def lifespan(app):
+        await anyio.to_thread.run_sync(service.warm_up)  # cost measurement at start-up, never in a request
         worker.start()
         try:
             yield
@@ -230,6 +232,18 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+class Server(uvicorn.Server):
+    """uvicorn, whose shutdown first closes the app's worker without waiting for it: the running generation
+    ends at its next step (a stream with an error event, then [DONE]) and waiting or new requests get a 503,
+    so that shutting down never waits for generations to run to their end."""
+
+    async def shutdown(self, sockets=None):
+        worker = getattr(getattr(self.config.app, "state", None), "worker", None)
+        if worker is not None:
+            worker.close()
+        await super().shutdown(sockets)
+
+
 def _version() -> str:
     from .. import __version__
     return __version__
@@ -249,8 +263,6 @@ def serve(args) -> None:
     import os
     import sys
 
-    import uvicorn
-
     from ..engine import Engine
     from ..backends import DEFAULT_TARGET
     # the server's own settings, checked before a model load that can take a minute
@@ -260,6 +272,9 @@ def serve(args) -> None:
         raise SpecDecodeError(f"--max-queue must be positive, got {args.max_queue}")
     if not args.timeout > 0 or math.isinf(args.timeout):
         raise SpecDecodeError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2)):
+        if value is not None and value < least:
+            raise SpecDecodeError(f"{flag} must be at least {least}, got {value}")
     if not 1 <= args.gamma <= p.MAX_GAMMA:
         raise SpecDecodeError(f"--gamma must be in 1..{p.MAX_GAMMA} (this server's limit), got {args.gamma}")
     if get_method(args.method).needs_draft_model == REQUIRED and args.target is not None and args.draft is None:
@@ -273,17 +288,24 @@ def serve(args) -> None:
                          threads=args.threads, with_draft=wants_draft_model([args.method]) or args.draft is not None,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore, history_tokens=args.history_tokens)
-    if uses_cost_model(args.method):
-        engine.tree_costs()  # measure pass costs now (once per machine), not in the first request
+    engine.tree_costs()  # measure pass costs now (once per machine): any request may ask for a method that uses them
+    if args.ctx_size is not None:  # after measuring, which times passes at long contexts
+        if args.ctx_size > engine.target.max_length:
+            raise SpecDecodeError(f"--ctx-size {args.ctx_size} is more than the model's context "
+                                  f"({engine.target.max_length} tokens)")
+        engine.target.max_length = args.ctx_size  # prompt + output of every request, the Engine's limit
     if args.exact:
         engine.exact_limits()  # measure the exact pass sizes now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
-                     max_queue=args.max_queue, timeout_s=args.timeout)
+                     max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens)
     if not _is_loopback(args.host) and api_key is None:
         sys.stderr.write(f"specdecode: warning: listening on {args.host} without an API key (--api-key)\n")
     sys.stderr.write(f"specdecode: serving {model_id!r} at http://{args.host}:{args.port}/v1 "
                      f"(method {args.method}, gamma {args.gamma}, backend {engine.backend})\n")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    try:
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on, as uvicorn.run does not
+        pass
 
 
 def _model_name(target: str) -> str:

@@ -98,6 +98,10 @@ class QueueFull(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    """The server began shutting down: no new job is taken."""
+
+
 class Disconnected(Exception):
     """The client went away while its request waited for an event."""
 
@@ -153,6 +157,7 @@ class Worker:
         self._current: Job | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._closed = False  # closed by a shutdown: new jobs are refused until start()
         self._mean_s = 1.0  # moving average of job durations, for Retry-After
         metrics.queued.set_function(lambda: len(self._waiting))
         metrics.busy.set_function(lambda: self._current is not None)
@@ -179,8 +184,10 @@ class Worker:
 
     # -- the request side ---------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Queue the job; QueueFull when max_queue jobs wait already."""
+        """Queue the job; QueueFull when max_queue jobs wait already, ShuttingDown once the server is closing."""
         with self._cv:
+            if self._closed:
+                raise ShuttingDown
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull
             self._waiting.append(job)
@@ -239,6 +246,7 @@ class Worker:
     # -- the worker thread --------------------------------------------------------------------------------------------
     def start(self) -> None:
         with self._cv:
+            self._closed = False
             self._ensure_thread()
 
     def _ensure_thread(self) -> None:  # holds _cv
@@ -248,9 +256,16 @@ class Worker:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Refuse the waiting jobs (503), stop the running one at its next delta, end the thread."""
+        """close(), then wait for the thread to end."""
+        thread = self.close()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def close(self) -> threading.Thread | None:
+        """Shut down without waiting: refuse the waiting jobs and new ones (503), stop the running one at its
+        next step (its stream ends with an error event). Returns the thread, which ends after that step."""
         with self._cv:
-            self._stopping = True
+            self._stopping = self._closed = True
             waiting, self._waiting = list(self._waiting), collections.deque()
             if self._current is not None:
                 self._current.shutdown = True
@@ -259,8 +274,7 @@ class Worker:
             self._cv.notify_all()
         for job in waiting:
             job.push(("error", shutting_down()))
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        return thread
 
     def wait_idle(self, timeout: float) -> bool:
         end = time.monotonic() + timeout

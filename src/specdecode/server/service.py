@@ -5,6 +5,7 @@ JSON body, or server-sent events whose headers go out at once (with ": keep-aliv
 waits in the queue).
 """
 # No `from __future__ import annotations`, as in app.py: pydantic and FastAPI read the annotations.
+import logging
 import time
 import uuid
 
@@ -17,7 +18,9 @@ from ..errors import SpecDecodeError
 from ..methods import uses_cost_model
 from . import protocol as p
 from .protocol import APIError
-from .scheduler import Disconnected, Job, QueueFull, Worker
+from .scheduler import Disconnected, Job, QueueFull, ShuttingDown, Worker, shutting_down
+
+log = logging.getLogger("specdecode.server")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
@@ -85,6 +88,8 @@ class Service:
             raise APIError(503, f"the server is busy ({self.worker.max_queue} requests waiting); retry later",
                            type="server_error", code="queue_full",
                            headers={"Retry-After": str(self.worker.retry_after())}) from None
+        except ShuttingDown:
+            raise shutting_down() from None
         if body.stream:
             return EventStream(self.events(job, body, endpoint), self.worker, job)
         try:
@@ -129,9 +134,18 @@ class Service:
                            param="max_tokens", code="context_length_exceeded")
         return stream
 
+    def warm_up(self) -> None:
+        """At start-up, before any request: measure (once per machine; cached) or read what a request would
+        otherwise measure on its first use: the pass costs any request's method may plan on, and exact mode's
+        pass sizes where the target was loaded for exact mode."""
+        self.engine.tree_costs()
+        if getattr(self.engine.target, "exact", False):
+            self.engine.exact_limits()
+
     def _open_stream(self, prompt, kwargs):
         # Opening a stream reads only the tokenizer, except that the methods that plan on the cost model measure
-        # the pass costs on first use (once per machine): that runs the models, so it waits for the worker.
+        # the pass costs on first use (once per machine): warm_up does that at start-up; an app run without its
+        # lifespan measures them here, which runs the models, so it waits for the worker.
         if uses_cost_model(kwargs["method"]) and getattr(self.engine, "costs", None) is None:
             with self.worker.lock:
                 return self.engine.stream(prompt, **kwargs)
@@ -167,17 +181,22 @@ class Service:
         if chat:
             yield p.sse(p.ChatCompletionChunk(**head, choices=[
                 p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""))]))
-        async for kind, value in self.worker.events(job, keepalive_s=self.keepalive_s):
-            if kind == "wait":
-                yield p.SSE_KEEPALIVE
-            elif kind == "delta":
-                yield p.sse(chunk(value))
-            elif kind == "end":
-                usage = p.Usage.of(value.prompt_tokens, value.completion_tokens)
-                yield p.sse(chunk(None, value.finish_reason, usage=usage, speculation=value.speculation))
-                if include_usage:
-                    last = p.ChatCompletionChunk if chat else p.CompletionChunk
-                    yield p.sse(last(**head, choices=[], usage=usage))
-            else:  # an error after the stream began
-                yield p.sse(value.body())
+        try:
+            async for kind, value in self.worker.events(job, keepalive_s=self.keepalive_s):
+                if kind == "wait":
+                    yield p.SSE_KEEPALIVE
+                elif kind == "delta":
+                    yield p.sse(chunk(value))
+                elif kind == "end":
+                    usage = p.Usage.of(value.prompt_tokens, value.completion_tokens)
+                    yield p.sse(chunk(None, value.finish_reason, usage=usage, speculation=value.speculation))
+                    if include_usage:
+                        last = p.ChatCompletionChunk if chat else p.CompletionChunk
+                        yield p.sse(last(**head, choices=[], usage=usage))
+                else:  # an error after the stream began
+                    yield p.sse(value.body())
+        except Exception:  # never a silently truncated stream: the last event says what happened
+            log.exception("stream failed")
+            yield p.sse(APIError(500, "internal error during generation", type="server_error",
+                                 code="internal_error").body())
         yield p.SSE_DONE
