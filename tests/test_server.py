@@ -758,7 +758,7 @@ def test_openapi_document_is_precise():
     methods = set(comp["Speculation"]["properties"]["method"]["anyOf"][0]["enum"])
     assert methods == set(METHODS) >= {"auto", "autoregressive", "draft", "pld", "tree"}
     assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in comp
-    assert set(doc["paths"]["/v1/chat/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "503"}
+    assert set(doc["paths"]["/v1/chat/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "413", "503"}
 
 
 @schema.parametrize()
@@ -914,4 +914,54 @@ def test_an_error_after_the_stream_began_ends_it_with_an_error_event(how):
         assert httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False}).status_code == 500
         assert httpx.get(f"{srv.url}/health").json()["busy"] is False  # and the server goes on
     finally:
+        srv.stop()
+
+
+def test_a_request_body_over_the_limit_is_a_413_before_it_is_read():
+    srv = LiveServer(create_app(make_engine(), model_id=MODEL, method="pld", gamma=2, max_body_bytes=2000))
+    try:
+        url = f"{srv.url}/v1/completions"
+        big = {"model": MODEL, "prompt": "x" * 3000, "max_tokens": 2}
+        r = httpx.post(url, json=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert "2000 bytes" in r.json()["error"]["message"]
+        chunks = (json.dumps(big)[i:i + 500].encode() for i in range(0, 3100, 500))  # chunked: no Content-Length
+        r = httpx.post(url, content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert httpx.post(url, json={**big, "prompt": "x" * 100}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_an_obviously_too_long_prompt_and_a_full_queue_are_refused_before_tokenizing(monkeypatch):
+    ctl = ControlledEngine(make_engine())
+    srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, max_queue=1))
+    calls = []
+    encode = ctl._engine.encode
+    monkeypatch.setattr(ctl._engine, "encode", lambda *a, **kw: calls.append(a) or encode(*a, **kw))
+    try:
+        url = f"{srv.url}/v1/completions"
+        # no token of the byte tokenizer covers more than 13 characters: 512 tokens cover at most 13,312
+        r = httpx.post(url, json={"model": MODEL, "prompt": "x" * 14000, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "x" * 7000}, {"role": "user", "content": "y" * 7000}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert calls == []
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
+        ctl.gate.clear()
+        results = {}
+        a = _post_in_thread(url, body, results, "a")  # generating, held at the gate
+        wait_for(lambda: srv.worker.busy)
+        b = _post_in_thread(url, body, results, "b")  # waiting
+        wait_for(lambda: srv.worker.queued == 1)
+        assert len(calls) == 2
+        r = httpx.post(url, json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert len(calls) == 2  # refused before tokenizing
+        ctl.gate.set()
+        a.join(60), b.join(60)
+        assert results["a"].status_code == results["b"].status_code == 200
+    finally:
+        ctl.gate.set()
         srv.stop()

@@ -28,6 +28,7 @@ from .service import Service, error_response, json_response
 
 log = logging.getLogger("specdecode.server")
 
+MAX_BODY_BYTES = 8 << 20  # request bodies beyond this get a 413 before they are read
 KEEPALIVE_S = 10.0  # seconds between ": keep-alive" comments while a streamed request waits in the queue
 
 
@@ -37,8 +38,8 @@ class Gate:
     ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/openapi.json",
               "/docs"}
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, api_key: str | None, metrics: Metrics, max_body_bytes: int | None = None):
+        self.app, self.metrics, self.max_body = app, metrics, max_body_bytes
         self.key = None if api_key is None else f"bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
@@ -57,12 +58,29 @@ class Gate:
                 err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await error_response(err)(scope, receive, send_status)
+            elif self.max_body is not None and _content_length(scope) > self.max_body:  # before reading it
+                await error_response(too_large(self.max_body))(scope, receive, send_status)
             else:
-                await self.app(scope, receive, send_status)
+                await self.app(scope, receive if self.max_body is None else self._limited(receive), send_status)
         finally:
             route = path if path in self.ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
                                                       else "other")
             self.metrics.requests.labels(route=route, status=str(status[0])).inc()
+
+    def _limited(self, receive):
+        """receive, counting the body's bytes: a body sent without Content-Length (chunked) that grows past
+        the limit is a 413 as soon as it does, before more of it is read."""
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise StarletteHTTPException(413, too_large(self.max_body).message)
+            return message
+        return limited
 
     def _authorized(self, scope) -> bool:
         for name, value in scope.get("headers", ()):
@@ -72,10 +90,23 @@ class Gate:
         return False
 
 
+def _content_length(scope) -> int:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large")
+
+
 # -- routes: each gets the app's Service from request.app.state ---------------------------------------------------------
 ERRORS = {400: {"model": p.ErrorBody, "description": "invalid request"},
           401: {"model": p.ErrorBody, "description": "missing or wrong API key"},
           404: {"model": p.ErrorBody, "description": "unknown model"},
+          413: {"model": p.ErrorBody, "description": "request body over the server's limit"},
           503: {"model": p.ErrorBody, "description": "queue full or timed out waiting; see Retry-After"}}
 SSE_DOC = {"text/event-stream": {"schema": {"type": "object"}}}  # filled in by _openapi
 
@@ -135,7 +166,7 @@ async def _invalid(request, exc: RequestValidationError):
 
 
 async def _http_error(request, exc: StarletteHTTPException):
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
     return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)))
 
 
@@ -146,7 +177,7 @@ async def _crash(request, exc: Exception):
 
 def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, api_key: str | None = None,
                max_queue: int = 16, timeout_s: float = 300, max_tokens_cap: int | None = None,
-               keepalive_s: float = KEEPALIVE_S) -> FastAPI:
+               keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible app around `engine`.
 
     model_id: the name clients must send as `model`. method/gamma: the default speculation (a request may
@@ -154,7 +185,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     required as `Authorization: Bearer <key>` on /v1/* when set. max_queue: requests that may wait while one
     generates (more get 503). timeout_s: the longest a request may take, waiting included. max_tokens_cap: the
     largest max_tokens accepted (default and upper bound: the model's context). keepalive_s: seconds between
-    keep-alive comments on a stream that waits in the queue.
+    keep-alive comments on a stream that waits in the queue. max_body_bytes: larger request bodies get a 413.
     """
     from ..engine import Engine
     Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
@@ -164,6 +195,8 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
         raise SpecDecodeError(f"gamma must be an integer in 1..{p.MAX_GAMMA} (this server's limit), got {gamma!r}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
         raise SpecDecodeError(f"max_queue must be a positive integer, got {max_queue!r}")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise SpecDecodeError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     for name, value in (("timeout", timeout_s), ("keepalive_s", keepalive_s)):
         if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
             raise SpecDecodeError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -190,7 +223,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
                               "Extension: `speculation` in requests (method, gamma) and responses (stats).")
     app.state.service, app.state.engine, app.state.worker, app.state.metrics = service, engine, worker, metrics
     app.state.model_id, app.state.engine_lock = model_id, worker.lock
-    app.add_middleware(Gate, api_key=api_key, metrics=metrics)
+    app.add_middleware(Gate, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)

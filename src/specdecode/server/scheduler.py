@@ -183,6 +183,14 @@ class Worker:
                         code="timeout", headers={"Retry-After": str(self.retry_after())})
 
     # -- the request side ---------------------------------------------------------------------------------------------
+    def check_room(self) -> None:
+        """QueueFull or ShuttingDown if submit would refuse a job now (checked before a request's expensive work)."""
+        with self._cv:
+            if self._closed:
+                raise ShuttingDown
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull
+
     def submit(self, job: Job) -> None:
         """Queue the job; QueueFull when max_queue jobs wait already, ShuttingDown once the server is closing."""
         with self._cv:

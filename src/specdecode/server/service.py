@@ -58,6 +58,7 @@ class Service:
         self.timeout_s, self.keepalive_s = timeout_s, keepalive_s
         self.context = engine.target.max_length
         self.created = int(time.time())
+        self.token_chars = _longest_token(engine)  # no token covers more characters (None: unknown)
 
     def card(self) -> p.ModelCard:
         return p.ModelCard(id=self.model_id, created=self.created)
@@ -81,15 +82,10 @@ class Service:
         refused = p.unsupported(body)
         if refused is not None:
             raise refused
+        self._admit()  # before the expensive work: tokenizing
+        self._check_length(prompt, "messages" if endpoint == "chat" else "prompt")
         job = Job(await self.open(body, endpoint, prompt), endpoint, self.timeout_s)
-        try:
-            self.worker.submit(job)
-        except QueueFull:
-            raise APIError(503, f"the server is busy ({self.worker.max_queue} requests waiting); retry later",
-                           type="server_error", code="queue_full",
-                           headers={"Retry-After": str(self.worker.retry_after())}) from None
-        except ShuttingDown:
-            raise shutting_down() from None
+        self._admit(job)
         if body.stream:
             return EventStream(self.events(job, body, endpoint), self.worker, job)
         try:
@@ -103,6 +99,29 @@ class Service:
         finally:
             self.worker.cancel(job)  # a no-op once the job has ended
         raise AssertionError("the worker ended a job without an end or an error")
+
+    def _admit(self, job: Job | None = None) -> None:
+        """Queue the job, or (without one) check that the queue has room for one: a 503 when it has not."""
+        try:
+            if job is None:
+                self.worker.check_room()
+            else:
+                self.worker.submit(job)
+        except QueueFull:
+            raise APIError(503, f"the server is busy ({self.worker.max_queue} requests waiting); retry later",
+                           type="server_error", code="queue_full",
+                           headers={"Retry-After": str(self.worker.retry_after())}) from None
+        except ShuttingDown:
+            raise shutting_down() from None
+
+    def _check_length(self, prompt, param: str) -> None:
+        """A prompt with more characters than the context's tokens could cover is refused before tokenizing."""
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        most = None if self.token_chars is None else 2 * self.token_chars * self.context  # 2: normalizers
+        if most is not None and chars > most:
+            raise APIError(400, f"the prompt has {chars} characters, more than the {self.context} tokens of the "
+                                "model's context can hold, so no token can be generated", param=param,
+                           code="context_length_exceeded")
 
     async def open(self, body, endpoint: str, prompt):
         """The request as an Engine stream, opened (validated, tokenized) but not started."""
@@ -200,3 +219,11 @@ class Service:
             yield p.sse(APIError(500, "internal error during generation", type="server_error",
                                  code="internal_error").body())
         yield p.SSE_DONE
+
+
+def _longest_token(engine) -> int | None:
+    """The most characters one token of the engine's tokenizer stands for (its longest vocabulary entry)."""
+    try:
+        return max(map(len, engine.tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return None
