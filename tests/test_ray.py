@@ -73,9 +73,10 @@ def test_replica_is_ready_only_after_load_and_cost_measurement(tiny_dirs):
     from fastapi.testclient import TestClient
     target, draft = tiny_dirs
     replica = ray_serve.Replica(dict(target=str(target), draft=str(draft), backend="torch", threads=1),
-                                dict(model_id=MODEL, method="auto"), dict(costs=True))
+                                dict(model_id=MODEL, method="draft"), ctx_size=128)
     app = replica.__serve_build_asgi_app__()
     assert app.state.engine.costs is not None  # measured in the constructor, not in the first request
+    assert app.state.engine.target.max_length == 128  # --ctx-size, applied after measuring
     with TestClient(app) as c:
         replica.check_health()
         r = c.post("/v1/completions", json=dict(model=MODEL, prompt="ab", max_tokens=4))

@@ -49,7 +49,7 @@ def _check_ray():
 class Replica:
     """One replica: an Engine loaded once, and the app of create_app around it (wrapped by `ray_app`)."""
 
-    def __init__(self, load: dict, app: dict, warm: dict):
+    def __init__(self, load: dict, app: dict, ctx_size: int | None = None):
         from ..engine import Engine
         from .app import create_app
         self.replica_id = _replica_id()
@@ -57,9 +57,13 @@ class Replica:
         if threads:  # what the engine's own kernels (llama.cpp, torch) and any OpenMP pool may use
             os.environ["OMP_NUM_THREADS"] = str(threads)
         engine = Engine.load(**load, progress=False)
-        if warm.get("costs"):
-            engine.tree_costs()  # the pass costs, measured (once per machine) before the replica is ready
-        if warm.get("exact"):
+        engine.tree_costs()  # the pass costs any request's method may plan on: measured (once per machine) now
+        if ctx_size is not None:  # after measuring, which times passes at long contexts (as `serve --ctx-size`)
+            if ctx_size > engine.target.max_length:
+                raise SpecDecodeError(f"--ctx-size {ctx_size} is more than the model's context "
+                                      f"({engine.target.max_length} tokens)")
+            engine.target.max_length = ctx_size
+        if load.get("exact"):
             engine.exact_limits()
         self.specdecode_app = create_app(engine, **app)
         tag(self.specdecode_app, self.replica_id)
@@ -179,16 +183,18 @@ class ReplicaFault:
 def ray_app(target: str | None = None, draft: str | None = None, *, method: str | None = None, gamma: int = 4,
             replicas: int = 1, autoscale: tuple[int, int] | None = None, threads: int = 1,
             target_ongoing_requests: float = 2.0, served_model_name: str | None = None, api_key: str | None = None,
-            max_queue: int = 16, timeout_s: float = 300.0, max_tokens_cap: int | None = None, **load):
+            max_queue: int = 16, timeout_s: float = 300.0, max_tokens_cap: int | None = None,
+            ctx_size: int | None = None, **load):
     """A Ray Serve application: `replicas` replicas (or autoscaled within `autoscale` = (min, max) on the requests
     queued and running per replica, `target_ongoing_requests` each), each an Engine on `threads` CPU threads
-    serving the OpenAI-compatible app. `load`: more Engine.load arguments (backend, dtype, exact, datastore,
+    serving the OpenAI-compatible app. max_tokens_cap and ctx_size: as `serve --max-tokens` and `--ctx-size`.
+    `load`: more Engine.load arguments (backend, dtype, exact, datastore,
     history_tokens, draft_quant, draft_window, ...). Run it with `start(...)` then `serve.run(app)` (or inside
     your own Serve application)."""
     _check_ray()
     from ray import serve
     from fastapi import FastAPI
-    from ..methods import DEFAULT_METHOD, uses_cost_model, wants_draft_model
+    from ..methods import DEFAULT_METHOD, wants_draft_model
     from ..backends import DEFAULT_TARGET
     from .app import _model_name
     method = method or DEFAULT_METHOD
@@ -199,12 +205,11 @@ def ray_app(target: str | None = None, draft: str | None = None, *, method: str 
     load = dict(load, target=target, draft=draft, threads=threads)
     app = dict(model_id=served_model_name or _model_name(target or DEFAULT_TARGET), method=method, gamma=gamma,
                api_key=api_key, max_queue=max_queue, timeout_s=timeout_s, max_tokens_cap=max_tokens_cap)
-    warm = dict(costs=uses_cost_model(method), exact=bool(load.get("exact")))
     deployment = serve.deployment(
         name="SpecDecode", ray_actor_options={"num_cpus": threads}, max_ongoing_requests=max_queue + 1,
         health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=10, **scaling,
     )(serve.ingress(FastAPI())(Replica))  # the placeholder app is replaced per replica (__serve_build_asgi_app__)
-    return deployment.bind(load, app, warm)
+    return deployment.bind(load, app, ctx_size)
 
 
 def _scaling(replicas: int, autoscale, target_ongoing_requests: float) -> dict:
@@ -261,17 +266,16 @@ def serve_ray(args) -> None:
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
     if args.api_key is not None and not args.api_key:
         raise SpecDecodeError("--api-key must not be empty")
-    if getattr(args, "ctx_size", None) is not None:
-        raise SpecDecodeError("--ctx-size is not supported with --ray yet")
-    max_tokens = getattr(args, "max_tokens", None)
-    if max_tokens is not None and max_tokens < 1:
-        raise SpecDecodeError(f"--max-tokens must be at least 1, got {max_tokens}")
+    for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2)):
+        if value is not None and value < least:
+            raise SpecDecodeError(f"{flag} must be at least {least}, got {value}")
     autoscale = parse_autoscale(args.autoscale) if args.autoscale else None
     most = autoscale[1] if autoscale else (args.replicas or 1)
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // most)
     app = ray_app(args.target, args.draft, method=args.method, gamma=args.gamma, replicas=args.replicas or 1,
                   autoscale=autoscale, threads=threads, served_model_name=args.served_model_name, api_key=api_key,
-                  max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=max_tokens, backend=args.backend,
+                  max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
+                  ctx_size=args.ctx_size, backend=args.backend,
                   dtype=args.dtype, device=args.device, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                   draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact,
                   datastore=args.datastore, history_tokens=args.history_tokens)
