@@ -211,7 +211,7 @@ def residual_is_p(p, q, draft_tokens, generator=None):
     return accepted, sample(p[torch.arange(p.shape[0]), accepted], generator)
 
 
-def run(cmd: list[str], *, timeout: float = 300, env: dict | None = None, **kwargs):
+def run_child(cmd: list[str], *, timeout: float = 300, env: dict | None = None, **kwargs):
     """subprocess.run for the tests' child processes: one torch thread (like the test processes: OpenMP threads
     that spin for a core another worker holds make tiny models many times slower), and on a timeout a failure
     that shows what the child had printed and what was running on the machine, instead of a bare timeout."""

@@ -8,7 +8,7 @@ from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
-from helpers import run
+from helpers import run_child as run  # the child-process runner (helpers.run drives the loop)
 
 
 def cli(*args, input=None):

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import run
+from helpers import run_child as run  # the child-process runner (helpers.run drives the loop)
 from specdecode.cli import main
 from specdecode.server import ray_serve
 
