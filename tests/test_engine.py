@@ -284,3 +284,16 @@ def test_two_streams_on_one_engine_never_corrupt_each_other():
     del dropped
     gc.collect()
     assert engine.generate("abc", method="draft", max_new_tokens=24).text == ref.text
+
+
+def test_the_loop_stops_at_the_backends_end_of_generation_tokens():
+    """LM.eog_ids (llama.cpp: llama_vocab_is_eog) end a generation like EOS, whatever the method."""
+    tok = byte_tokenizer()
+    lm = CachedLM(tiny_model(0))
+    full = Engine(lm, tok).generate("abc", method="autoregressive", max_new_tokens=30).token_ids
+    end = full[9]
+    lm.eog_ids = frozenset({end})
+    engine = Engine(lm, tok)
+    for method in ("autoregressive", "pld"):
+        out = engine.generate("abc", method=method, max_new_tokens=30)
+        assert out.token_ids == full[:full.index(end) + 1] and out.stats.finish_reason == "eos"

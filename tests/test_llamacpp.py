@@ -905,3 +905,12 @@ def test_small_context_gguf_is_not_a_crash(files, tmp_path):
     r = run([sys.executable, "-c", script], timeout=120, env={"SPECDECODE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0 and r.stdout.startswith(("loaded", "error")), \
         f"exit status {r.returncode}: {r.stderr.strip().splitlines()[-1:] if r.stderr.strip() else r.stdout}"
+
+
+def test_end_of_generation_tokens_are_llama_cpps_own_list(tmp_path):
+    """llama.cpp names every token that ends a generation (llama_vocab_is_eog): more than EOS and EOT."""
+    special = ("<|im_end|>", "<|eom_id|>", "<end_of_turn>")
+    lm = LlamaLM(write_tiny_gguf(tmp_path / "eog.gguf", 0, special=special), threads=1)
+    ids = {257 + i for i in range(len(special))}
+    assert ids | {256} <= lm.eog_ids and ids - lm.eos_token_ids  # some are neither EOS nor EOT
+    assert ids <= Engine(lm, byte_tokenizer()).eos_ids  # what the loop stops on

@@ -46,10 +46,12 @@ def _tensor_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(path: Path, seed: int, *, vocab_extra: int = 0, layers: int = 2, hidden: int = 64,
-                    ctx: int = 512) -> Path:
+                    ctx: int = 512, special: tuple[str, ...] = ()) -> Path:
+    """special: control tokens appended after the extra ones (llama.cpp recognizes some by their text, such as
+    <|im_end|> or <|eom_id|>, as ending a generation)."""
     tokens = list(byte_tokenizer().convert_ids_to_tokens(range(257)))  # byte symbols in tiny.py's order, EOS
     assert tokens[256] == EOS
-    tokens += [f"<extra_{i}>" for i in range(vocab_extra)]
+    tokens += [f"<extra_{i}>" for i in range(vocab_extra)] + list(special)
     model = tiny_model(seed, vocab_size=len(tokens), layers=layers, hidden=hidden, max_pos=ctx)
     cfg = model.config
 
@@ -69,7 +71,7 @@ def write_tiny_gguf(path: Path, seed: int, *, vocab_extra: int = 0, layers: int 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t == EOS else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_types([gguf.TokenType.CONTROL if t == EOS or t in special else gguf.TokenType.NORMAL for t in tokens])
     w.add_key_value(gguf.Keys.Tokenizer.MERGES, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
     w.add_eos_token_id(256)
     w.add_bos_token_id(256)

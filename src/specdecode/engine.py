@@ -133,7 +133,7 @@ class Engine:
                                              or draft_window <= 0):
                 raise SpecDecodeError(f"draft_window must be a positive integer or None, got {draft_window!r}")
             self.draft_model = DraftModel(draft_model, self.vocab_size, draft_window)
-        self.eos_ids = self.target.eos_token_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
+        self.eos_ids = self.target.eos_token_ids | self.target.eog_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
         self._exact_limits = None  # exact mode's ExactLimits, likewise
         self.progress = True

@@ -29,6 +29,9 @@ class LM(Protocol):
     vocab_size: int  # rows of the output layer: logits are [n, vocab_size]
     max_length: int  # positions the model can attend over
     eos_token_ids: set[int]
+    # tokens that end a generation by the backend's own list, beyond eos_token_ids (llama.cpp: every token
+    # llama_vocab_is_eog names, such as <|im_end|> or <|eom_id|>); the loop stops on both. Default: none more
+    eog_ids: frozenset[int] = frozenset()
     ids: list[int]  # the token in each cache entry
     device: torch.device  # where its passes run (llama.cpp: the CPU)
     dtype: object  # a torch.dtype on torch; the GGUF file type's name ("Q8_0", "F32", ...) on llama.cpp

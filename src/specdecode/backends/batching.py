@@ -188,7 +188,7 @@ class LlamaSlot(LlamaLM):
     def __init__(self, shared: SharedContext, seq0: int, park: int | None, node_ids: list[int], cells: int):
         lm = shared.lm
         for name in ("_lc", "path", "exact", "repack", "_model", "_vocab", "vocab_size", "threads", "_cparams",
-                     "device", "dtype", "name", "eos_token_ids", "n_params", "quant_info"):
+                     "device", "dtype", "name", "eos_token_ids", "eog_ids", "n_params", "quant_info"):
             setattr(self, name, getattr(lm, name))
         self._shared, self._ctx, self._mem, self._cells = shared, shared.ctx, shared.mem, cells
         self.seq0, self.park, self._node_ids = seq0, park, list(node_ids)

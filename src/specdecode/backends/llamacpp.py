@@ -148,6 +148,7 @@ class LlamaLM(LM):
         self.dtype = _FILE_TYPES.get(int(self.meta("general.file_type") or -1), "gguf")
         self.name = self.meta("general.name") or self.path.stem
         self.eos_token_ids = {t for t in (lc.llama_vocab_eos(self._vocab), lc.llama_vocab_eot(self._vocab)) if t >= 0}
+        self.eog_ids = frozenset(t for t in range(self.vocab_size) if lc.llama_vocab_is_eog(self._vocab, t))
         self.n_params = int(lc.llama_model_n_params(self._model))
         self.quant_info = None  # set by loading.load_lm when it requantized the file for a draft
         self.reset()
