@@ -13,6 +13,7 @@ import uvicorn
 
 from specdecode.bench.load import (first_difference, greedy_mismatches, level_rows, measure_server, percentile,
                                    run_level_async)
+from specdecode.bench.llama_server import find_binary
 from specdecode.bench.load_peers import peer_argv
 from specdecode.cli import main
 from specdecode.server import create_app, engine_lock
@@ -193,3 +194,27 @@ def test_loadtest_command_launches_our_server(tiny_dirs, tmp_path, capsys):
     assert (out / "loadtest.png").stat().st_size > 0 and "| specdecode | 1 | 3/3 |" in (out / "loadtest.md").read_text()
     assert "| specdecode | 1 | 3/3 |" in capsys.readouterr().out
     assert "serving" in (out / "logs" / "specdecode-c1.log").read_text()
+
+
+LLAMA_SERVER = find_binary("llama-server")  # read at import: the tests' cache is a temporary one
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server not built (specdecode loadtest --build-llama-server)")
+def test_llama_server_peers_on_a_tiny_gguf(tmp_path, capsys):
+    """llama.cpp's own server, plain and with the draft model, launched per level on a free port and measured."""
+    from tinygguf import write_tiny_gguf
+    target, draft = write_tiny_gguf(tmp_path / "t.gguf", 0), write_tiny_gguf(tmp_path / "d.gguf", 1)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    assert main(["loadtest", "--launch", "llama-server,llama-server-draft", "--llama-server", str(LLAMA_SERVER),
+                 "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--concurrency", "2",
+                 "--max-tokens", "8", "--threads", "1", "--ctx-size", "128", "--ready-timeout", "60",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "loadtest.json").read_text())
+    for name in ("llama-server", "llama-server-draft"):
+        srv = results["servers"][name]
+        assert [(s["concurrency"], s["ok"], s["errors"]) for s in srv["levels"]] == [(1, 3, 0), (2, 3, 0)], srv
+        assert all(r["usage_tokens"] == 8 for r in srv["requests"])
+        assert "-np 2 -kvu -c 256" in srv["commands"]["2"]
+    assert "--spec-type draft-simple" in results["servers"]["llama-server-draft"]["commands"]["1"]

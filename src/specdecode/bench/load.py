@@ -188,7 +188,7 @@ def measure_server(url: str, prompts: list[dict], levels: list[int], max_tokens:
     model = model or server_model(url)
     if warmup:
         run_level(url, model, prompts[:1], 1, min(8, max_tokens), timeout)
-    solo = dict(solo or {})
+    solo = {} if solo is None else solo  # filled in place by level 1
     out = {"levels": [], "mismatches": [], "requests": [], "solo": solo}
     for c in levels:
         summary, records = run_level(url, model, level_rows(prompts, c, requests), c, max_tokens, timeout)

@@ -123,6 +123,9 @@ def loadtest(args) -> int:
             sys.stdout.write(f"llama-server: {binary}\n")
             return 0
         raise SpecDecodeError("nothing to measure: give --server URL and/or --launch PEERS")
+    if binary is None and any(p.startswith("llama-server") for p in peers):
+        raise SpecDecodeError("llama-server is not built: add --build-llama-server (about 11 min on 2 cores), "
+                              "or pass --llama-server PATH")
     if not args.prompts:
         raise SpecDecodeError("--prompts FILE is required")
     prompts = _prompts(args)
@@ -134,7 +137,6 @@ def loadtest(args) -> int:
     for name, url in servers.items():
         log(f"{name} ({url})")
         got = measure_server(url, prompts, levels, args.max_tokens, args.requests, args.timeout, log=log)
-        got.pop("solo")
         results["servers"][name] = {"url": url, **got}
     if peers:
         from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET

@@ -140,8 +140,8 @@ def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_token
     """Launch peer `name` once per level, measure that level, stop it. Level 1 (first) gives the solo
     answers the later levels are checked against."""
     from .load import measure_server
-    result = {"levels": [], "mismatches": [], "requests": [], "commands": {}}
     solo: dict[str, str] = {}
+    result = {"levels": [], "mismatches": [], "requests": [], "commands": {}, "solo": solo}
     for c in levels:
         port = free_port()
         argv = peer_argv(name, port=port, slots=c, **argv_kw)
@@ -156,7 +156,6 @@ def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_token
             log(f"  failed: {e}")
             result["levels"].append({"concurrency": c, "failed": str(e)[:2000]})
             continue
-        solo = got["solo"]
         result["levels"] += got["levels"]
         result["mismatches"] += got["mismatches"]
         result["requests"] += got["requests"]

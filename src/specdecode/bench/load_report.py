@@ -32,6 +32,7 @@ def markdown(results: dict) -> str:
     lines += ["", "ITL: gaps between streamed text chunks (a chunk with several tokens counts once); TPOT: "
               "(last chunk - first chunk) / (tokens - 1) per request. Greedy mismatches: responses at this "
               "concurrency whose text differs from the same prompt served alone (concurrency 1)."]
+    lines += cross_server(results)
     mismatches = [(name, m) for name, srv in results["servers"].items() for m in srv["mismatches"]]
     if mismatches:
         lines += ["", "## Greedy mismatches", "", "| server | concurrency | prompt | first differing char | "
@@ -43,6 +44,18 @@ def markdown(results: dict) -> str:
     if commands:
         lines += ["", "## Commands", ""] + [f"- {name}, concurrency {c}: `{cmd}`" for name, c, cmd in commands]
     return "\n".join(lines) + "\n"
+
+
+def cross_server(results: dict) -> list[str]:
+    """How many solo (concurrency 1) answers of each server equal the first server's, prompt by prompt."""
+    named = [(name, srv.get("solo") or {}) for name, srv in results["servers"].items()]
+    if len(named) < 2 or not named[0][1]:
+        return []
+    first, ref = named[0]
+    out = ["", f"Solo answers equal to {first}'s (greedy, same prompt): " + ", ".join(
+        f"{name} {sum(1 for k, v in solo.items() if ref.get(k) == v)}/{sum(1 for k in solo if k in ref)}"
+        for name, solo in named[1:])]
+    return out
 
 
 def plot(results: dict, path: Path) -> Path | None:
