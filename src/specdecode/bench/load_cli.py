@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     t.add_argument("--threads", type=int, default=None, help="--launch: CPU threads of every server (default: all "
                                                              "this process may use)")
     t.add_argument("--ctx-size", type=int, default=4096,
-                   help="--launch: llama-server's context per slot (-c CTX*slots with -kvu; default 4096)")
+                   help="--launch: llama-server's KV cache per slot: -c CTX*slots, shared (-kvu; default 4096)")
     t.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server binary (default: the cached build, then PATH)")
     t.add_argument("--llama-args", default="", help="--launch: extra llama-server arguments (one shell-quoted string)")

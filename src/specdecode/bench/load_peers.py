@@ -4,7 +4,7 @@ for until /health answers 200, measured, then stopped (SIGINT, then SIGKILL afte
 Peers (one fresh process per concurrency level c, so that no level inherits caches or output history
 from another):
 - `llama-server`: llama.cpp's own server on the same GGUF, `-t/-tb THREADS -np c -kvu -c CTX*c`
-  (c slots sharing one unified KV cache, each up to CTX tokens);
+  (c slots sharing one unified KV cache of CTX tokens per slot);
 - `llama-server-draft`: the same with the draft model, `--spec-type draft-simple -md DRAFT`;
 - `specdecode`: ours, `specdecode serve --target T [--draft D] --threads THREADS`, plus `--parallel c`
   where the server has that flag;
