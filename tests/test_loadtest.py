@@ -114,15 +114,18 @@ def test_llama_server_peer_command(tmp_path):
     gguf.write_bytes(b"GGUF")
     draft.write_bytes(b"GGUF")
     kw = dict(port=1234, slots=4, threads=2, ctx=4096, target=str(gguf), draft=str(draft), llama_server="ls",
-              parallel_flag=False)
+              serve_flags=())
     plain = peer_argv("llama-server", **kw)
     assert plain[:3] == ["ls", "-m", str(gguf)] and "--spec-type" not in plain
     flags = " ".join(plain)
     assert "-t 2 -tb 2 -np 4 -kvu -c 16384" in flags and "--host 127.0.0.1 --port 1234" in flags
     assert " ".join(peer_argv("llama-server-draft", **kw)).endswith(f"--spec-type draft-simple -md {draft} -td 2 -tbd 2")
     ours = peer_argv("specdecode", **kw)
-    assert ours[1:4] == ["-m", "specdecode", "serve"] and "--parallel" not in ours
-    assert peer_argv("specdecode-p1", **{**kw, "parallel_flag": True})[-2:] == ["--parallel", "1"]
+    assert ours[1:4] == ["-m", "specdecode", "serve"] and "--parallel" not in ours and "--ctx-size" not in ours
+    flags = ("--parallel", "--ctx-size")
+    assert peer_argv("specdecode-p1", **{**kw, "serve_flags": flags})[-2:] == ["--parallel", "1"]
+    assert peer_argv("specdecode-p1", **{**kw, "serve_flags": flags, "ours_ctx": True})[-2:] == ["--ctx-size", "4096"]
+    assert peer_argv("specdecode", **{**kw, "serve_flags": flags})[-2:] == ["--parallel", "4"]
 
 
 # -- the client against our server ---------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from ..errors import SpecDecodeError
 
 
 def add_parser(sub) -> None:
-    from .load_peers import DEFAULT_PEERS, PEERS, serve_has_parallel
-    parallel = serve_has_parallel(sub)  # read here: the serve parser is added before this one
+    from .load_peers import DEFAULT_PEERS, PEERS, serve_flags
+    flags = serve_flags(sub)  # read here: the serve parser is added before this one
     t = sub.add_parser("loadtest", help="load benchmark: streamed OpenAI requests at several concurrencies against "
                                         "servers (running ones, or llama-server and ours launched here)")
     t.add_argument("--server", default=None, metavar="URL[,NAME=URL...]",
@@ -42,8 +42,9 @@ def add_parser(sub) -> None:
                                                  "its draft)")
     t.add_argument("--threads", type=int, default=None, help="--launch: CPU threads of every server (default: all "
                                                              "this process may use)")
-    t.add_argument("--ctx-size", type=int, default=4096,
-                   help="--launch: llama-server's KV cache per slot: -c CTX*slots, shared (-kvu; default 4096)")
+    t.add_argument("--ctx-size", type=int, default=None,
+                   help="--launch: llama-server's KV cache per slot: -c CTX*slots, shared (-kvu; default 4096); "
+                        "given, also our server's --ctx-size (where it has one; default: the model's context)")
     t.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server binary (default: the cached build, then PATH)")
     t.add_argument("--llama-args", default="", help="--launch: extra llama-server arguments (one shell-quoted string)")
@@ -58,7 +59,7 @@ def add_parser(sub) -> None:
     t.add_argument("--jobs", type=int, default=2, help="--build-llama-server: parallel compile jobs (default 2)")
     t.add_argument("--out", default="loadtest-out", help="directory for loadtest.json, loadtest.md, loadtest.png, "
                                                         "logs/ (default loadtest-out)")
-    t.set_defaults(serve_parallel=parallel)
+    t.set_defaults(serve_flags=flags)
 
 
 def _levels(text: str) -> list[int]:
@@ -105,7 +106,7 @@ def loadtest(args) -> int:
     """Run the load benchmark; 0 when it ran (errors and greedy mismatches are reported, not fatal)."""
     from . import llama_server as ls
     from .load import measure_server
-    from .load_peers import measure_peer
+    from .load_peers import DEFAULT_CTX, measure_peer
     from .load_report import markdown, write_outputs
     from .run import cpu_description
     if importlib.util.find_spec("httpx") is None:
@@ -143,17 +144,17 @@ def loadtest(args) -> int:
         target = args.target or DEFAULT_TARGET
         draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
         threads = args.threads or len(os.sched_getaffinity(0))
-        parallel = getattr(args, "serve_parallel", False)
-        if "specdecode-p1" in peers and not parallel:
+        flags = getattr(args, "serve_flags", [])
+        if "specdecode-p1" in peers and "--parallel" not in flags:
             log("specdecode-p1: skipped (this `specdecode serve` has no --parallel: `specdecode` is already one "
                 "request at a time)")
             peers = [p for p in peers if p != "specdecode-p1"]
         results["config"].update(target=target, draft=draft, threads=threads, ctx_size=args.ctx_size,
-                                 llama_server=binary, serve_parallel_flag=parallel)
+                                 llama_server=binary, serve_parallel_flag="--parallel" in flags)
         for name in peers:
             extra = shlex.split(args.llama_args if name.startswith("llama-server") else args.ours_args)
-            kw = dict(threads=threads, ctx=args.ctx_size, target=target, draft=draft, llama_server=binary,
-                      parallel_flag=parallel, extra=extra)
+            kw = dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None, target=target, draft=draft, llama_server=binary,
+                      serve_flags=flags, extra=extra)
             results["servers"][name] = measure_peer(name, prompts, levels, max_tokens=args.max_tokens,
                                                     requests=args.requests, timeout=args.timeout,
                                                     out_dir=Path(args.out), argv_kw=kw,

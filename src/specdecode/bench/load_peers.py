@@ -7,7 +7,7 @@ from another):
   (c slots sharing one unified KV cache of CTX tokens per slot);
 - `llama-server-draft`: the same with the draft model, `--spec-type draft-simple -md DRAFT`;
 - `specdecode`: ours, `specdecode serve --target T [--draft D] --threads THREADS`, plus `--parallel c`
-  where the server has that flag;
+  where the server has that flag, and `--ctx-size CTX` where given and the server has it;
 - `specdecode-p1`: ours with `--parallel 1` (only where the server has that flag; without it
   `specdecode` already serves one request at a time).
 """
@@ -26,6 +26,7 @@ from ..errors import SpecDecodeError
 
 PEERS = ("llama-server", "llama-server-draft", "specdecode", "specdecode-p1")
 DEFAULT_PEERS = ("llama-server", "llama-server-draft", "specdecode")
+DEFAULT_CTX = 4096  # llama-server's KV cells per slot
 
 
 def free_port() -> int:
@@ -34,10 +35,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_has_parallel(subparsers) -> bool:
-    """Whether `specdecode serve` takes --parallel (slots) in this checkout: its parser in `subparsers`."""
+def serve_flags(subparsers) -> list[str]:
+    """The options `specdecode serve` takes in this checkout (its parser in `subparsers`): --parallel and
+    --ctx-size are passed only where they exist."""
     serve = subparsers.choices.get("serve")
-    return serve is not None and any("--parallel" in a.option_strings for a in serve._actions)
+    return sorted(o for a in (serve._actions if serve is not None else ()) for o in a.option_strings)
 
 
 def resolve_gguf(spec: str | None) -> str | None:
@@ -53,7 +55,7 @@ def resolve_gguf(spec: str | None) -> str | None:
 
 
 def peer_argv(name: str, *, port: int, slots: int, threads: int, ctx: int, target: str, draft: str | None,
-              llama_server: str | None, parallel_flag: bool, extra: list[str] = ()) -> list[str]:
+              llama_server: str | None, serve_flags=(), ours_ctx: bool = False, extra: list[str] = ()) -> list[str]:
     """The command line of peer `name` for `slots` concurrent requests on 127.0.0.1:port."""
     if name.startswith("llama-server"):
         if llama_server is None:
@@ -73,8 +75,10 @@ def peer_argv(name: str, *, port: int, slots: int, threads: int, ctx: int, targe
                 "--port", str(port), "--threads", str(threads), "--max-queue", str(max(16, 2 * slots))]
         if draft is not None:
             argv += ["--draft", draft]
-        if parallel_flag:
+        if "--parallel" in serve_flags:
             argv += ["--parallel", str(1 if name == "specdecode-p1" else slots)]
+        if ours_ctx and "--ctx-size" in serve_flags:
+            argv += ["--ctx-size", str(ctx)]
         return argv + list(extra)
     raise SpecDecodeError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
 

@@ -84,7 +84,8 @@ def plot(results: dict, path: Path) -> Path | None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
     cpu = (results.get("cpu") or "").split(", flags")[0]
     fig.suptitle(f"{results['config']['max_tokens']} new tokens, greedy, streamed; {cpu}", fontsize=9)
     fig.tight_layout()
