@@ -297,3 +297,17 @@ def test_the_loop_stops_at_the_backends_end_of_generation_tokens():
     for method in ("autoregressive", "pld"):
         out = engine.generate("abc", method=method, max_new_tokens=30)
         assert out.token_ids == full[:full.index(end) + 1] and out.stats.finish_reason == "eos"
+
+
+def test_a_tree_of_fixed_width_and_depth_is_cut_to_a_bounded_pass():
+    """A fixed width and depth grow up to width**2 nodes per depth (all verified when sampling): passes hold at
+    most FIXED_TREE_NODES of them."""
+    from specdecode.checks import FIXED_TREE_NODES
+    tok = byte_tokenizer()
+    engine = Engine(tiny_model(0), tok, tiny_model(1), tok)
+    sizes, forward = [], engine.target.forward
+    engine.target.forward = lambda ids, *a, **kw: sizes.append(len(ids)) or forward(ids, *a, **kw)
+    out = engine.generate("abc", method="tree", tree_width=16, tree_depth=8, temperature=1.0, seed=0,
+                          max_new_tokens=10)
+    assert out.stats.tree["nodes"] == FIXED_TREE_NODES and out.stats.new_tokens > 0
+    assert max(sizes[1:]) <= FIXED_TREE_NODES + 1, max(sizes)  # the tree and its root (sizes[0]: the prompt)

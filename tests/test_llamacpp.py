@@ -914,3 +914,18 @@ def test_end_of_generation_tokens_are_llama_cpps_own_list(tmp_path):
     ids = {257 + i for i in range(len(special))}
     assert ids | {256} <= lm.eog_ids and ids - lm.eos_token_ids  # some are neither EOS nor EOT
     assert ids <= Engine(lm, byte_tokenizer()).eos_ids  # what the loop stops on
+
+
+def test_tree_shapes_are_checked_against_the_cache_before_the_request_starts(files):
+    """llama.cpp holds 255 tree nodes: a bigger tree is refused when the stream opens, naming the parameter, and
+    a tree of fixed width and depth (up to width**2 nodes per depth) is cut to what the cache holds."""
+    tok = byte_tokenizer()
+    engine = Engine(LlamaLM(files.target, threads=1), tok, LlamaLM(files.draft, threads=1), tok)
+    engine.progress = False
+    with pytest.raises(SpecDecodeError, match="tree_nodes must be at most 255"):
+        engine.stream("abc", method="tree", tree_nodes=300)
+    with pytest.raises(SpecDecodeError, match="tree_width x tree_depth must be at most 255"):
+        engine.stream("abc", method="tree", tree_width=64, tree_depth=8)
+    out = engine.generate("abc", method="tree", tree_width=16, tree_depth=4, temperature=1.0, seed=0,
+                          max_new_tokens=12)  # sampled: every drawn node is verified, 16 + 3 x 256 of them uncut
+    assert out.stats.tree["nodes"] == 255 and out.stats.new_tokens > 0

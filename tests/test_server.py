@@ -245,6 +245,10 @@ BAD = [
      "speculation.draft"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_width": 0}}, 400, None,
      "speculation.tree_width"),
+    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_width": 17}}, 400, None,
+     "speculation.tree_width"),  # over the server's cap: what can pay
+    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_nodes": 129}}, 400, None,
+     "speculation.tree_nodes"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "pld", "tree_depth": 2}}, 400, None,
      "speculation"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, None, "messages"),

@@ -1,11 +1,14 @@
 """A generation request's arguments, checked without models (Engine.check: front ends call it before
-loading them)."""
+loading them), and a tree's size checked against what the models hold (tree_nodes_cap), before any model work."""
 from __future__ import annotations
 
 from .errors import SpecDecodeError
 from .methods import METHOD_TABLE, get_method
+from .planning.planner import MAX_DEPTH
 from .sampling import SamplingParams
 from .textstream import STOP_CHARS_MAX
+
+FIXED_TREE_NODES = 256  # nodes per pass of a tree whose size the cost model does not choose, at most
 
 
 def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -30,3 +33,20 @@ def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int =
             takes = " or ".join(repr(n) for n, t in METHOD_TABLE.items() if t.tree_options)
             raise SpecDecodeError(f"{name} applies to method {takes} only (method is {method!r})")
     return params
+
+
+def tree_nodes_cap(request, lms) -> int:
+    """The most tree nodes one pass of this request may verify: what every model's cache holds (LM.max_tree_nodes)
+    and at most FIXED_TREE_NODES (a tree of fixed width grows up to width**2 nodes per depth). SpecDecodeError
+    naming the parameter when the request asks for a tree that a model's cache cannot hold."""
+    caps = [lm.max_tree_nodes for lm in lms if lm is not None and lm.max_tree_nodes is not None]
+    cap = min(caps, default=None)
+    if cap is not None and request.tree_nodes is not None and request.tree_nodes > cap:
+        raise SpecDecodeError(f"tree_nodes must be at most {cap} with this model: its cache holds {cap} tree nodes "
+                              f"per pass (got {request.tree_nodes})")
+    depth = request.tree_depth or MAX_DEPTH  # the draft model reads up to width frontier nodes per depth
+    if cap is not None and request.tree_width is not None and request.tree_width * depth > cap:
+        raise SpecDecodeError(f"tree_width x tree_depth must be at most {cap} with this model: its cache holds {cap} "
+                              f"tree nodes (got {request.tree_width} x {depth}; the depth is {MAX_DEPTH} at most "
+                              "when the cost model chooses it)")
+    return request.tree_nodes or min(cap or FIXED_TREE_NODES, FIXED_TREE_NODES)

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from .backends import LM, as_lm
-from .checks import check_request
+from .checks import check_request, tree_nodes_cap
 from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, tokenizer_fingerprint)
 from .errors import SpecDecodeError
@@ -369,9 +369,12 @@ class Engine:
         error = self._tree_error(self.draft_model)
         if error:  # before any model work
             raise SpecDecodeError(error)
-        return TreeDrafter(self.draft_model, pld=True, width=request.tree_width, depth=request.tree_depth,
-                           nodes=request.tree_nodes, costs=self.tree_costs(), state=TreeState(),
-                           lookup=self._lookup())
+        cap = tree_nodes_cap(request, (self.target, self.draft_model.lm if self.draft_model else None))
+        drafter = TreeDrafter(self.draft_model, pld=True, width=request.tree_width, depth=request.tree_depth,
+                              nodes=request.tree_nodes, costs=self.tree_costs(), state=TreeState(),
+                              lookup=self._lookup())
+        drafter.limit(cap, chains_only=False)  # passes no bigger than the caches hold
+        return drafter
 
     def _pld_drafter(self, request: DraftRequest):
         return PromptLookup()

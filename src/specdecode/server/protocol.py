@@ -20,7 +20,10 @@ from ..errors import SpecDecodeError
 from ..methods import help_text
 
 MAX_GAMMA = 32  # draft tokens per target pass a request may ask for (a server's limit; the Engine has none)
-MAX_TREE = 256  # tree width / nodes per pass a request may ask for (likewise)
+# the tree shape a request may ask for (likewise): what can pay. A pass costs more the more tokens it holds, and the
+# planner's own trees stay within 4 wide, 8 deep and 32 nodes (planning/planner.py); the Engine refuses a tree
+# bigger than the backend's cache holds (llama.cpp: 255 nodes) by its own check
+MAX_TREE_WIDTH, MAX_TREE_DEPTH, MAX_TREE_NODES = 16, 16, 128
 STOP_MAX = 4  # stop strings per request, as in OpenAI's API
 
 
@@ -37,9 +40,10 @@ class Speculation(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Literal[METHODS] | None = Field(None, description=help_text())
     gamma: int | None = Field(None, le=MAX_GAMMA, description="draft tokens per target forward pass (chains)")
-    tree_width: int | None = Field(None, le=MAX_TREE, description="tree: children per node (default: cost model)")
-    tree_depth: int | None = Field(None, le=MAX_GAMMA, description="tree: depth (default: cost model)")
-    tree_nodes: int | None = Field(None, le=MAX_TREE, description="tree: nodes per pass (default: cost model)")
+    tree_width: int | None = Field(None, le=MAX_TREE_WIDTH, description="tree: children per node (default: cost "
+                                   "model)")
+    tree_depth: int | None = Field(None, le=MAX_TREE_DEPTH, description="tree: depth (default: cost model)")
+    tree_nodes: int | None = Field(None, le=MAX_TREE_NODES, description="tree: nodes per pass (default: cost model)")
     exact: bool | None = Field(None, description="exact greedy mode: output bit-for-bit plain decoding's (default: "
                                "the server's --exact); needs a server started with --exact and temperature 0")
 
