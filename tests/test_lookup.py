@@ -77,18 +77,17 @@ def test_context_match_excludes_the_text_itself():
 def test_history_evicts_least_recently_used_and_matches_only_live_outputs():
     h = History(max_tokens=25, max_n=3)
     a, b, c = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]
-    h.add([0] * 4, a)  # stored: the prompt's tail (4 tokens here) + the output
-    h.add([0] * 4, b)
+    h.add(a)  # stored: the output only, never its prompt
+    h.add(b)
+    h.add(a[:1] * 8)
     assert h.live_tokens == 20
     h.touch([0])  # a was used: b is now the least recently used
-    h.add([0] * 4, c)
-    assert list(h.live) == [0, 2] and h.live_tokens == 20
+    h.add(c)
+    assert set(h.live) == {0, 2, 3} and h.live_tokens == 20
     assert h.match([8, 9], 10)[0] == 0  # b is gone
     n, ends = h.match([99, 2, 3], 10)
     assert n == 2 and [h.index.continuation(e, 3) for e in ends] == [[4, 5, 6]]
-    n, ends = h.match([5, 0, 0, 0], 10)  # the prompt tails: the outputs' beginnings are found
-    assert n == 3 and {tuple(h.index.continuation(e, 2)) for e in ends} == {(0, 1), (1, 2), (0, 13), (13, 14)}
-    assert History(0).max_tokens == 0 and not h.add([1], [2] * 40)  # longer than the whole history: not stored
+    assert History(0).max_tokens == 0 and not h.add([2] * 40)  # longer than the whole history: not stored
     with pytest.raises(SpecDecodeError):
         History(-1)
 
@@ -101,7 +100,7 @@ def test_history_against_brute_force_through_compactions(seed):
     for k in range(40):
         out = random_stream(rng, rng.randint(1, 12), 4)
         before = dict(h.live)
-        h.add([], out)
+        h.add(out)
         if k in h.live:
             live[k] = out
         live = {s: v for s, v in live.items() if s in h.live}

@@ -969,3 +969,43 @@ def test_an_obviously_too_long_prompt_and_a_full_queue_are_refused_before_tokeni
     finally:
         ctl.gate.set()
         srv.stop()
+
+
+def test_the_output_history_is_off_by_default_kept_per_api_key_and_never_holds_prompts():
+    from specdecode.cli import build_parser
+    args = build_parser().parse_args(["serve"])
+    assert args.history_tokens == 0 and not args.speculation_sources  # off unless the operator enables it
+    tok = byte_tokenizer()
+    engine = Engine(tiny_model(0), tok, tiny_model(1), tok, history_tokens=5000)
+    srv = LiveServer(create_app(engine, model_id=MODEL, method="lookup", gamma=2))
+    try:
+        prompt = "the secret prompt"
+        prompt_ids = engine.encode(prompt)
+
+        def ask(key):
+            r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 12}, timeout=60)
+            assert r.status_code == 200
+            return r.json()
+
+        out = ask("sk-alice")
+        assert "sources" not in out["speculation"]  # per-source counts only where the operator asks for them
+        ask("sk-bob")
+        ask("sk-alice")
+        histories = srv.app.state.service.histories
+        assert len(histories) == 2 and len(engine.history.live) == 0  # one per key; the engine's shared one unused
+        for h in histories.values():
+            stored = h.index.tokens
+            assert stored and not any(stored[i:i + 4] == prompt_ids[:4] for i in range(len(stored)))  # outputs only
+        assert [len(h.live) for h in histories.values()] == [1, 2]  # bob's, then alice's two
+    finally:
+        srv.stop()
+
+
+def test_per_source_counts_in_responses_when_the_operator_asks():
+    srv = LiveServer(create_app(make_engine(), model_id=MODEL, method="pld", gamma=2, show_sources=True))
+    try:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "abcabc", "max_tokens": 8})
+        assert "sources" in r.json()["speculation"]
+    finally:
+        srv.stop()

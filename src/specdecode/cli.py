@@ -92,7 +92,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     _backend_args(s)
-    _lookup_args(s, history=True)
+    _lookup_args(s, history=True, history_default=0)  # off unless enabled: then kept per API key, outputs only
+    s.add_argument("--speculation-sources", action="store_true",
+                   help="responses carry per-source draft counts (with --history-tokens they tell of other outputs)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, else none)")
@@ -202,7 +204,7 @@ def _backend_args(parser) -> None:
                              "of it): on a long prompt it reads a window, not the whole prompt; the output is the same")
 
 
-def _lookup_args(parser, history: bool = False, history_default: int = 1_000_000) -> None:
+def _lookup_args(parser, history: bool = False, history_default: int = 0) -> None:
     parser.add_argument("--datastore", default=None, metavar="DIR",
                         help="a datastore built by `specdecode index`: the lookup, tree and auto methods draft from it")
     if history:

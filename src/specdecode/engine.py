@@ -162,8 +162,8 @@ class Engine:
         self.draft_model.truncate([i for i in keep if i < self.vocab_size])
         return len(self.draft_model.keep)
 
-    def _lookup(self) -> Lookup:
-        return Lookup(self.history, self.datastore)
+    def _lookup(self, request: DraftRequest) -> Lookup:
+        return Lookup(request.history, self.datastore)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
@@ -272,7 +272,7 @@ class Engine:
                max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
                tree_width: int | None = None, tree_depth: int | None = None,
-               tree_nodes: int | None = None, exact: bool | None = None) -> "TextStream":
+               tree_nodes: int | None = None, exact: bool | None = None, history=None) -> "TextStream":
         """An iterator of text deltas (never splitting a character or leaking a stop string);
         after it is exhausted, .result holds the Generation.
 
@@ -283,7 +283,8 @@ class Engine:
         method="tree": gamma unused; tree_width (children per node and frontier nodes per depth),
         tree_depth and tree_nodes (nodes per pass) fix the shape where given, the cost model the rest.
         exact (greedy only; default: the Engine's, for greedy requests): every target pass is one whose
-        logits are bit-identical to plain decoding's (exactness.py): plain decoding's output, token for token."""
+        logits are bit-identical to plain decoding's (exactness.py): plain decoding's output, token for token.
+        history: the History this generation drafts from and adds its output to (default: the Engine's own)."""
         params = self.check(method=method, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_k=top_k, top_p=top_p, stop=stop, tree_width=tree_width, tree_depth=tree_depth,
                             tree_nodes=tree_nodes)
@@ -294,7 +295,8 @@ class Engine:
             raise SpecDecodeError("exact mode is for greedy decoding (temperature 0); sampling is exact in distribution")
         limits = self.exact_limits() if exact else None
         m = METHOD_TABLE[method]
-        request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens)
+        request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens,
+                               self.history if history is None else history)
         drafter = m.make_drafter(self, request)
         # a stop string that is a special token never shows in the decoded text: stop on its id
         with tokenizer_lock(self.tokenizer):
@@ -322,12 +324,12 @@ class Engine:
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
                                    generator=generator, stats=stats, exact=limits)
-        if self.history is not None:
-            steps = self._remember(prompt_ids, steps)
+        if request.history is not None:
+            steps = self._remember(request.history, steps)
         return TextStream(self, self.lease.steps(steps), stats, stops)
 
-    def _remember(self, prompt_ids: list[int], steps: Iterator[list[int]]) -> Iterator[list[int]]:
-        """Pass the steps through; when the generation ends (or is stopped), store its output."""
+    def _remember(self, history: History, steps: Iterator[list[int]]) -> Iterator[list[int]]:
+        """Pass the steps through; when the generation ends (or is stopped), store its output (never the prompt)."""
         out = []
         try:
             for new in steps:
@@ -335,20 +337,21 @@ class Engine:
                 yield new
         finally:
             steps.close()
-            self.history.add(prompt_ids, out)
+            history.add(out)
 
     check = staticmethod(check_request)  # the request's arguments, checked without models (checks.py)
 
     def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None,
                  max_new_tokens: int | None = None):
         """The drafter of one generation as methods.METHOD_TABLE builds it (arguments checked by `check`)."""
-        return METHOD_TABLE[method].make_drafter(self, DraftRequest(gamma, params, width, depth, nodes, max_new_tokens))
+        return METHOD_TABLE[method].make_drafter(self, DraftRequest(gamma, params, width, depth, nodes, max_new_tokens,
+                                                                         self.history))
 
     # the drafters of the built-in methods (methods.METHOD_TABLE names them). Every generation plans with a
     # fresh TreeState: a tree's shape (so a near-tie's side) never depends on what this Engine generated before
     def _lookup_drafter(self, request: DraftRequest):
         """lookup guesses only, planned on the measured costs: no draft model"""
-        return TreeDrafter(None, lookup=self._lookup(), costs=self.tree_costs(), state=TreeState(),
+        return TreeDrafter(None, lookup=self._lookup(request), costs=self.tree_costs(), state=TreeState(),
                            chains_only=bool(self._tree_error(None)))  # a model that cannot run trees: one chain
 
     def _auto_drafter(self, request: DraftRequest):
@@ -362,7 +365,7 @@ class Engine:
         state.measure = True
         # lazy: the draft reads the text only when a step runs it, and a step runs it only when the
         # seconds it should save before max_new_tokens pay for that reading (tree.TreeDrafter._model_pays)
-        return TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup(), lazy=True,
+        return TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup(request), lazy=True,
                            remaining=request.max_new_tokens, chains_only=bool(self._tree_error(model)))
 
     def _tree_drafter(self, request: DraftRequest):
@@ -372,7 +375,7 @@ class Engine:
         cap = tree_nodes_cap(request, (self.target, self.draft_model.lm if self.draft_model else None))
         drafter = TreeDrafter(self.draft_model, pld=True, width=request.tree_width, depth=request.tree_depth,
                               nodes=request.tree_nodes, costs=self.tree_costs(), state=TreeState(),
-                              lookup=self._lookup())
+                              lookup=self._lookup(request))
         drafter.limit(cap, chains_only=False)  # passes no bigger than the caches hold
         return drafter
 

@@ -26,6 +26,7 @@ class DraftRequest:
     tree_depth: int | None = None
     tree_nodes: int | None = None
     max_new_tokens: int | None = None
+    history: Any = None  # the drafters.History it drafts from (None: none)
 
 
 @dataclass(frozen=True)

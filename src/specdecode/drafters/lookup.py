@@ -3,7 +3,7 @@
 Three sources, each an index that finds where the last tokens of the text occurred before and what
 followed them there:
 - "context": the current prompt and output (an n-gram table that grows with the text);
-- "history": the engine's earlier outputs, each with the end of its prompt (the same n-gram table over
+- "history": the engine's earlier outputs, without their prompts (the same n-gram table over
   all of them; bounded, the least recently used output evicted first);
 - "datastore": a token datastore built once from the user's files (`specdecode index`): a suffix
   array (pydivsufsort's libdivsufsort) over a memory-mapped token file, searched in C.

@@ -8,7 +8,6 @@ from collections import OrderedDict
 from ..errors import SpecDecodeError
 
 MAX_NGRAM = 4  # context and history: match up to the last 4 tokens (prompt lookup used 3)
-PROMPT_TAIL = 32  # history: the prompt tokens stored before each output, so that its start can be found
 SEP = -1  # between the sequences of an n-gram table
 
 
@@ -60,8 +59,8 @@ class NgramIndex:
 
 
 class History:
-    """The engine's earlier outputs (each after the last PROMPT_TAIL tokens of its prompt), at most
-    max_tokens of them; when full, the least recently used output goes (used = added, or one of its
+    """The engine's earlier outputs (never their prompts: another client's prompt text is not for drafting
+    from), at most max_tokens of them; when full, the least recently used output goes (used = added, or one of its
     guesses accepted). Dead entries are dropped from the table once they outnumber the live ones."""
 
     def __init__(self, max_tokens: int = 1_000_000, max_n: int = MAX_NGRAM):
@@ -75,9 +74,9 @@ class History:
         self.next_id = 0
         self.ids: list[int] = []  # sequence id of each entry in starts
 
-    def add(self, prompt_ids: list[int], output_ids: list[int]) -> None:
-        seq = list(prompt_ids[-PROMPT_TAIL:]) + list(output_ids)
-        if not output_ids or len(seq) > self.max_tokens:
+    def add(self, output_ids: list[int]) -> None:
+        seq = list(output_ids)
+        if not seq or len(seq) > self.max_tokens:
             return
         while self.live_tokens + len(seq) > self.max_tokens:
             _, n = self.live.popitem(last=False)

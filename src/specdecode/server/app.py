@@ -177,7 +177,8 @@ async def _crash(request, exc: Exception):
 
 def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, api_key: str | None = None,
                max_queue: int = 16, timeout_s: float = 300, max_tokens_cap: int | None = None,
-               keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES,
+               show_sources: bool = False) -> FastAPI:
     """An OpenAI-compatible app around `engine`.
 
     model_id: the name clients must send as `model`. method/gamma: the default speculation (a request may
@@ -186,6 +187,8 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     generates (more get 503). timeout_s: the longest a request may take, waiting included. max_tokens_cap: the
     largest max_tokens accepted (default and upper bound: the model's context). keepalive_s: seconds between
     keep-alive comments on a stream that waits in the queue. max_body_bytes: larger request bodies get a 413.
+    show_sources: responses carry per-source draft counts (`speculation.sources`; off: with an output history they
+    tell a client about other outputs). An engine with a history keeps one per API key (Service._history).
     """
     from ..engine import Engine
     Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
@@ -207,7 +210,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     metrics = Metrics(model_id, method, gamma)
     worker = Worker(engine, max_queue, metrics)
     service = Service(engine, worker, model_id=model_id, method=method, gamma=gamma, max_tokens_cap=cap,
-                      timeout_s=timeout_s, keepalive_s=keepalive_s)
+                      timeout_s=timeout_s, keepalive_s=keepalive_s, show_sources=show_sources)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -330,7 +333,8 @@ def serve(args) -> None:
     if args.exact:
         engine.exact_limits()  # measure the exact pass sizes now (once per machine), not in the first request
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
-                     max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens)
+                     max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
+                     show_sources=args.speculation_sources)
     if not _is_loopback(args.host) and api_key is None:
         sys.stderr.write(f"specdecode: warning: listening on {args.host} without an API key (--api-key)\n")
     sys.stderr.write(f"specdecode: serving {model_id!r} at http://{args.host}:{args.port}/v1 "

@@ -5,15 +5,18 @@ JSON body, or server-sent events whose headers go out at once (with ": keep-aliv
 waits in the queue).
 """
 # No `from __future__ import annotations`, as in app.py: pydantic and FastAPI read the annotations.
+import hashlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 
 import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from ..drafters import History
 from ..errors import SpecDecodeError
 from ..methods import uses_cost_model
 from . import protocol as p
@@ -22,6 +25,7 @@ from .scheduler import Disconnected, Job, QueueFull, ShuttingDown, Worker, shutt
 
 log = logging.getLogger("specdecode.server")
 
+MAX_HISTORY_SCOPES = 16  # API keys whose output histories are kept, the least recently used dropped first
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
@@ -52,13 +56,15 @@ class Service:
     """What the routes do: one served model, its default speculation, the worker."""
 
     def __init__(self, engine, worker: Worker, *, model_id: str, method: str, gamma: int, max_tokens_cap: int,
-                 timeout_s: float, keepalive_s: float):
+                 timeout_s: float, keepalive_s: float, show_sources: bool = False):
         self.engine, self.worker, self.model_id = engine, worker, model_id
         self.method, self.gamma, self.cap = method, gamma, max_tokens_cap
         self.timeout_s, self.keepalive_s = timeout_s, keepalive_s
         self.context = engine.target.max_length
         self.created = int(time.time())
         self.token_chars = _longest_token(engine)  # no token covers more characters (None: unknown)
+        self.show_sources = show_sources  # per-source draft counts in responses (they tell of other outputs)
+        self.histories: OrderedDict[str, History] = OrderedDict()  # per API key (its hash)
 
     def card(self) -> p.ModelCard:
         return p.ModelCard(id=self.model_id, created=self.created)
@@ -84,7 +90,7 @@ class Service:
             raise refused
         self._admit()  # before the expensive work: tokenizing
         self._check_length(prompt, "messages" if endpoint == "chat" else "prompt")
-        job = Job(await self.open(body, endpoint, prompt), endpoint, self.timeout_s)
+        job = Job(await self.open(body, endpoint, prompt, self._history(request)), endpoint, self.timeout_s)
         self._admit(job)
         if body.stream:
             return EventStream(self.events(job, body, endpoint), self.worker, job)
@@ -123,7 +129,22 @@ class Service:
                                 "model's context can hold, so no token can be generated", param=param,
                            code="context_length_exceeded")
 
-    async def open(self, body, endpoint: str, prompt):
+    def _history(self, request: Request) -> History | None:
+        """The output history of the request's API key (the bearer token it sends, whether or not the server asks
+        for one), where the engine keeps a history at all: one key's outputs are never drafted from for another's."""
+        if getattr(self.engine, "history", None) is None:
+            return None
+        scope = hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()
+        history = self.histories.pop(scope, None) or History(self.engine.history.max_tokens)
+        self.histories[scope] = history
+        while len(self.histories) > MAX_HISTORY_SCOPES:
+            self.histories.popitem(last=False)
+        return history
+
+    def _speculation(self, spec: dict) -> dict:
+        return spec if self.show_sources else {k: v for k, v in spec.items() if k != "sources"}
+
+    async def open(self, body, endpoint: str, prompt, history: History | None = None):
         """The request as an Engine stream, opened (validated, tokenized) but not started."""
         spec = body.speculation or p.Speculation()
         chat = endpoint == "chat"
@@ -136,7 +157,7 @@ class Service:
                       top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                       seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop, chat=chat,
                       **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes", "exact")
-                         if getattr(spec, k) is not None})
+                         if getattr(spec, k) is not None}, **({} if history is None else {"history": history}))
         param = "messages" if chat else "prompt"
         try:
             stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs)
@@ -176,10 +197,11 @@ class Service:
             return p.ChatCompletionResponse(
                 id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
                 choices=[p.ChatChoice(message=p.AssistantMessage(content=end.text), finish_reason=end.finish_reason)],
-                speculation=end.speculation)
+                speculation=self._speculation(end.speculation))
         return p.CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
-            choices=[p.CompletionChoice(text=end.text, finish_reason=end.finish_reason)], speculation=end.speculation)
+            choices=[p.CompletionChoice(text=end.text, finish_reason=end.finish_reason)],
+            speculation=self._speculation(end.speculation))
 
     async def events(self, job: Job, body, endpoint: str):
         """The job as server-sent events: keep-alive comments while it waits, a chunk per delta, the last chunk
@@ -208,7 +230,8 @@ class Service:
                     yield p.sse(chunk(value))
                 elif kind == "end":
                     usage = p.Usage.of(value.prompt_tokens, value.completion_tokens)
-                    yield p.sse(chunk(None, value.finish_reason, usage=usage, speculation=value.speculation))
+                    yield p.sse(chunk(None, value.finish_reason, usage=usage,
+                                      speculation=self._speculation(value.speculation)))
                     if include_usage:
                         last = p.ChatCompletionChunk if chat else p.CompletionChunk
                         yield p.sse(last(**head, choices=[], usage=usage))
