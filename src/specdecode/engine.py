@@ -115,7 +115,7 @@ class Engine:
 
     With history_tokens > 0 the engine remembers its earlier outputs (that many tokens, least recently
     used dropped first) and the lookup, tree and auto methods draft from them too; outside exact mode a
-    near-tie can then fall the other way (certify). history_tokens=0 (the default here; `serve` remembers).
+    near-tie can then fall the other way (certify). history_tokens=0: the default (`serve`: one per API key).
     datastore: a directory built by `specdecode index` (same tokenizer), drafted from by the same methods.
     """
 
