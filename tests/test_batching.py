@@ -4,6 +4,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specdecode import Engine
@@ -147,3 +148,57 @@ def test_costs_in_company_are_what_a_pass_adds():
     assert now.t(1) == pytest.approx(0.181 - (0.119 + 0.181) / 2)  # T(4) - T(3), T(3) interpolated
     assert now.t(5) / now.t(1) > 5  # 4 guesses push the pass to the slow kernel: dearer per token than plain
     assert now.d(1) == pytest.approx(0.03 * 4 / 2 - (0.04 + 0.01 * 1))  # the draft's pass likewise
+
+
+def _first_token_law(engine, prompt, params):
+    from specdecode.backends.llamacpp import LlamaLM
+    from specdecode.sampling import probs_from_logits
+    alone = LlamaLM(engine.target.path, threads=1)
+    ids = engine.encode(prompt)
+    return probs_from_logits(alone.forward(ids, last_only=True)[-1], params).numpy()
+
+
+def _sampled_first_tokens(slots, prompts, n):
+    outs = slots.generate_many(prompts * n, method="draft", gamma=2, max_new_tokens=3, temperature=1.0, top_k=4)
+    return [o.token_ids[0] for o in outs]
+
+
+@pytest.mark.slow
+def test_sampled_law_with_company_is_the_targets(engine):
+    """2 x 10^4 speculative generations (draft chains, top-k 4), 3 at a time, two prompts interleaved: each
+    prompt's first token follows the target's law (p <= 1e-6 fails). What batching could break is which rows a
+    generation reads (the verifier's law itself has the 10^5-sample tests of test_engine_stats): the negative
+    control hands rows to the wrong generations and must fail. ~5 ms per generation: 2 x 10^4 keeps it ~2 min."""
+    from helpers import gof_pvalue
+    from specdecode.sampling import SamplingParams
+    params = SamplingParams(temperature=1.0, top_k=4)
+    a, b = PROMPTS[0], PROMPTS[1]
+    laws = {a: _first_token_law(engine, a, params), b: _first_token_law(engine, b, params)}
+    assert abs(laws[a] - laws[b]).sum() > 0.5  # the two prompts' laws differ: a mix-up would show
+    slots = Slots(engine, 3)
+    n = 10_000
+    firsts = _sampled_first_tokens(slots, [a, b], n)
+    for k, prompt in enumerate((a, b)):
+        counts = np.bincount(firsts[k::2], minlength=laws[prompt].size)
+        assert gof_pvalue(counts, laws[prompt]) > 1e-6
+
+    # negative control: each llama_decode call hands its rows to the generations in reverse order
+    shared = slots.engines[0].target._shared
+    real = shared.decode
+
+    def swapped(batch):
+        made = real(batch)
+        rows = [r[1] for r in batch]
+        if len({None if x is None else x.shape for x in rows}) == 1:
+            for r, x in zip(batch, rows[::-1]):
+                r[1] = x
+        return made
+    shared.decode = swapped
+    try:
+        firsts = _sampled_first_tokens(slots, [a, b], 5_000)
+    except Exception:  # rows of another generation's shape: the loop may fail outright, which also shows it
+        return
+    finally:
+        shared.decode = real
+    pvalues = [gof_pvalue(np.bincount(firsts[k::2], minlength=laws[p].size), laws[p]) for k, p in enumerate((a, b))]
+    assert min(pvalues) < 1e-6

@@ -111,6 +111,25 @@ def plan_split(sizes: list[int], cost: Callable[[int], float] | None, cap: int =
     return groups[::-1]
 
 
+class _Locked:
+    """llama_cpp's bindings with every call on the shared context's memory (sequence copies and removals, made
+    by a slot's own thread) under the context's lock, which a llama_decode holds too: llama.cpp's calls on one
+    context must not overlap."""
+
+    def __init__(self, lc, lock: threading.Lock):
+        self._lc, self._lock = lc, lock
+
+    def __getattr__(self, name: str):
+        f = getattr(self._lc, name)
+        if not name.startswith("llama_memory_"):
+            return f
+
+        def locked(*args):
+            with self._lock:
+                return f(*args)
+        return locked
+
+
 class SharedContext:
     """One llama.cpp context on `lm`'s weights that `slots` slots share (see the module's doc)."""
 
@@ -122,6 +141,7 @@ class SharedContext:
             raise SpecDecodeError(f"a llama.cpp context holds {MAX_SEQ} sequences: at most {MAX_SEQ // (2 + park)} "
                                   f"slots, not {slots}")
         self.lm, self.lockstep, self.cost = lm, lockstep, cost
+        self.lock = threading.Lock()  # one llama.cpp call on this context at a time
         cparams = type(lm._cparams).from_buffer_copy(lm._cparams)
         cparams.n_ctx = max(cells, N_BATCH)
         self.ctx = lc.llama_init_from_model(lm._model, cparams)
@@ -163,14 +183,15 @@ class SharedContext:
             for k, s in enumerate(seqs):
                 batch.seq_id[i][k] = s
         batch.n_tokens = len(tokens)
-        rc = lc.llama_decode(self.ctx, batch)
-        if rc != 0:
-            raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched pass; "
-                                  f"{self.cells} cells shared by {len(self.slots)} slots)")
         n_out = sum(1 for t in tokens if t[3])
-        if not n_out:
-            return np.zeros((0, self.lm.vocab_size), np.float32)
-        return np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n_out, self.lm.vocab_size)).copy()
+        with self.lock:
+            rc = lc.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched pass; "
+                                      f"{self.cells} cells shared by {len(self.slots)} slots)")
+            if not n_out:
+                return np.zeros((0, self.lm.vocab_size), np.float32)
+            return np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n_out, self.lm.vocab_size)).copy()
 
     def __del__(self):
         lc = getattr(self, "_lc", None)
@@ -190,6 +211,7 @@ class LlamaSlot(LlamaLM):
         for name in ("_lc", "path", "exact", "repack", "_model", "_vocab", "vocab_size", "threads", "_cparams",
                      "device", "dtype", "name", "eos_token_ids", "eog_ids", "n_params", "quant_info"):
             setattr(self, name, getattr(lm, name))
+        self._lc = _Locked(lm._lc, shared.lock)
         self._shared, self._ctx, self._mem, self._cells = shared, shared.ctx, shared.mem, cells
         self.seq0, self.park, self._node_ids = seq0, park, list(node_ids)
         self.max_tree_nodes = len(node_ids)
