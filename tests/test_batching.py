@@ -202,3 +202,63 @@ def test_sampled_law_with_company_is_the_targets(engine):
         shared.decode = real
     pvalues = [gof_pvalue(np.bincount(firsts[k::2], minlength=laws[p].size), laws[p]) for k, p in enumerate((a, b))]
     assert min(pvalues) < 1e-6
+
+
+def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
+    """create_app(slots=...): 6 streamed requests at once over 3 slots (completion and chat, different methods and
+    lengths): every answer equals the same request alone, and the generations really ran together."""
+    import asyncio
+
+    import httpx
+    import uvicorn
+    from specdecode.server import create_app
+    from specdecode.server.app import Server
+    import socket
+    slots = Slots(engine, 3)
+    app = create_app(engine, model_id="tiny", method="pld", gamma=2, slots=slots)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.02)
+    reqs = [("completions", dict(prompt=p, max_tokens=8 + 4 * i,
+                                 speculation={"method": ["pld", "autoregressive", "tree"][i % 3]}))
+            for i, p in enumerate(PROMPTS)]
+    reqs.append(("chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=12)))
+
+    async def one(client, path, body):
+        text = ""
+        async with client.stream("POST", f"{url}/v1/{path}", json={"model": "tiny", "stream": True, "temperature": 0,
+                                                                   **body}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    import json
+                    choice = json.loads(line[6:])["choices"]
+                    if choice:
+                        text += choice[0].get("text") or (choice[0].get("delta") or {}).get("content") or ""
+        return text
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, path, body) for path, body in reqs))
+    try:
+        rows_before = slots.lockstep.rows
+        got = asyncio.run(all_at_once())
+        assert slots.lockstep.rows - rows_before > 0 and slots.lockstep.rows > slots.lockstep.passes
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    for (path, body), text in zip(reqs, got):
+        spec = body.get("speculation", {})
+        if path == "completions":
+            alone = engine.generate(body["prompt"], method=spec.get("method", "pld"), gamma=2,
+                                    max_new_tokens=body["max_tokens"])
+        else:
+            alone = engine.generate(body["messages"], method="pld", gamma=2, max_new_tokens=body["max_tokens"])
+        assert text == alone.text

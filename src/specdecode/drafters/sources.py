@@ -3,6 +3,7 @@ engine's History of earlier outputs. Each answers lookup(text, depth, limit) for
 from __future__ import annotations
 
 import bisect
+import threading
 from collections import OrderedDict
 
 from ..errors import SpecDecodeError
@@ -61,9 +62,11 @@ class NgramIndex:
 class History:
     """The engine's earlier outputs (never their prompts: another client's prompt text is not for drafting
     from), at most max_tokens of them; when full, the least recently used output goes (used = added, or one of its
-    guesses accepted). Dead entries are dropped from the table once they outnumber the live ones."""
+    guesses accepted). Dead entries are dropped from the table once they outnumber the live ones. Thread-safe:
+    the generations of a batching server (one thread each) add to and draft from one History."""
 
     def __init__(self, max_tokens: int = 1_000_000, max_n: int = MAX_NGRAM):
+        self._lock = getattr(self, "_lock", None) or threading.RLock()
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise SpecDecodeError(f"history_tokens must be a non-negative integer, got {max_tokens!r}")
         self.max_tokens, self.max_n = max_tokens, max_n
@@ -75,7 +78,10 @@ class History:
         self.ids: list[int] = []  # sequence id of each entry in starts
 
     def add(self, output_ids: list[int]) -> None:
-        seq = list(output_ids)
+        with self._lock:
+            self._add(list(output_ids))
+
+    def _add(self, seq: list[int]) -> None:
         if not seq or len(seq) > self.max_tokens:
             return
         while self.live_tokens + len(seq) > self.max_tokens:
@@ -109,13 +115,16 @@ class History:
 
     def lookup(self, text: list[int], depth: int, limit: int) -> tuple[int, list[list[int]], list]:
         """As NgramIndex.lookup; each continuation's ref is the stored output it came from."""
-        n, ends = self.match(text, limit)
-        return n, [self.index.continuation(e, depth) for e in ends], [self.sequence_at(e) for e in ends]
+        with self._lock:
+            n, ends = self.match(text, limit)
+            return n, [self.index.continuation(e, depth) for e in ends], [self.sequence_at(e) for e in ends]
 
     def touch(self, seqs) -> None:
-        for s in seqs:
-            if s in self.live:
-                self.live.move_to_end(s)
+        with self._lock:
+            for s in seqs:
+                if s in self.live:
+                    self.live.move_to_end(s)
 
     def clear(self) -> None:
-        self.__init__(self.max_tokens, self.max_n)
+        with self._lock:
+            self.__init__(self.max_tokens, self.max_n)

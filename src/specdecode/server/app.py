@@ -178,7 +178,7 @@ async def _crash(request, exc: Exception):
 def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, api_key: str | None = None,
                max_queue: int = 16, timeout_s: float = 300, max_tokens_cap: int | None = None,
                keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES,
-               show_sources: bool = False) -> FastAPI:
+               show_sources: bool = False, slots=None) -> FastAPI:
     """An OpenAI-compatible app around `engine`.
 
     model_id: the name clients must send as `model`. method/gamma: the default speculation (a request may
@@ -189,6 +189,8 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     keep-alive comments on a stream that waits in the queue. max_body_bytes: larger request bodies get a 413.
     show_sources: responses carry per-source draft counts (`speculation.sources`; off: with an output history they
     tell a client about other outputs). An engine with a history keeps one per API key (Service._history).
+    slots: a slots.Slots on `engine`: its generations run at once, one per slot, sharing their passes (requests
+    are still opened, checked and tokenized on `engine`).
     """
     from ..engine import Engine
     Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
@@ -208,7 +210,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     context = engine.target.max_length
     cap = context if max_tokens_cap is None else max(1, min(int(max_tokens_cap), context))
     metrics = Metrics(model_id, method, gamma)
-    worker = Worker(engine, max_queue, metrics)
+    worker = Worker(engine, max_queue, metrics, slots)
     service = Service(engine, worker, model_id=model_id, method=method, gamma=gamma, max_tokens_cap=cap,
                       timeout_s=timeout_s, keepalive_s=keepalive_s, show_sources=show_sources)
 
@@ -308,9 +310,13 @@ def serve(args) -> None:
         raise SpecDecodeError(f"--max-queue must be positive, got {args.max_queue}")
     if not args.timeout > 0 or math.isinf(args.timeout):
         raise SpecDecodeError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2)):
+    for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2),
+                               ("--parallel", args.parallel, 1)):
         if value is not None and value < least:
             raise SpecDecodeError(f"{flag} must be at least {least}, got {value}")
+    if args.parallel > 1 and args.exact:
+        raise SpecDecodeError("--exact serves one request at a time: with --parallel, llama.cpp places the cache cells of "
+                              "several generations itself, so attention may sum in another order than alone")
     if not 1 <= args.gamma <= p.MAX_GAMMA:
         raise SpecDecodeError(f"--gamma must be in 1..{p.MAX_GAMMA} (this server's limit), got {args.gamma}")
     if get_method(args.method).needs_draft_model == REQUIRED and args.target is not None and args.draft is None:
@@ -332,13 +338,18 @@ def serve(args) -> None:
         engine.target.max_length = args.ctx_size  # prompt + output of every request, the Engine's limit
     if args.exact:
         engine.exact_limits()  # measure the exact pass sizes now (once per machine), not in the first request
+    slots = None
+    if args.parallel > 1:
+        from ..slots import Slots
+        slots = Slots(engine, args.parallel)
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
-                     show_sources=args.speculation_sources)
+                     show_sources=args.speculation_sources, slots=slots)
     if not _is_loopback(args.host) and api_key is None:
         sys.stderr.write(f"specdecode: warning: listening on {args.host} without an API key (--api-key)\n")
     sys.stderr.write(f"specdecode: serving {model_id!r} at http://{args.host}:{args.port}/v1 "
-                     f"(method {args.method}, gamma {args.gamma}, backend {engine.backend})\n")
+                     f"(method {args.method}, gamma {args.gamma}, backend {engine.backend}, "
+                     f"{args.parallel} at once)\n")
     try:
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on, as uvicorn.run does not

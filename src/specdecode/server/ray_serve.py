@@ -72,10 +72,8 @@ class Replica:
         return self.specdecode_app
 
     def check_health(self) -> None:
-        worker = self.specdecode_app.state.worker
-        thread = getattr(worker, "_thread", None)
-        if thread is not None and not thread.is_alive():
-            raise RuntimeError(f"replica {self.replica_id}: the worker thread is dead")
+        if self.specdecode_app.state.worker.dead:
+            raise RuntimeError(f"replica {self.replica_id}: a worker thread is dead")
 
 
 def _replica_id() -> str:

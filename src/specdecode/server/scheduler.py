@@ -147,20 +147,22 @@ class Job:
 
 
 class Worker:
-    """The one thread that runs the engine, fed by a bounded FIFO of jobs."""
+    """The threads that run the engine, fed by a bounded FIFO of jobs: one thread on the engine itself, or with
+    `slots` (slots.Slots: continuous batching) one per slot, whose generations share their passes."""
 
-    def __init__(self, engine, max_queue: int, metrics: Metrics):
-        self.max_queue, self.metrics = max_queue, metrics
+    def __init__(self, engine, max_queue: int, metrics: Metrics, slots=None):
+        self.max_queue, self.metrics, self.slots = max_queue, metrics, slots
         self.lock = engine_lock(engine)
+        self._engines = [engine] if slots is None else slots.engines
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._current: Job | None = None
-        self._thread: threading.Thread | None = None
+        self._running: list[Job] = []
+        self._threads: list[threading.Thread | None] = [None] * len(self._engines)
         self._stopping = False
         self._closed = False  # closed by a shutdown: new jobs are refused until start()
         self._mean_s = 1.0  # moving average of job durations, for Retry-After
         metrics.queued.set_function(lambda: len(self._waiting))
-        metrics.busy.set_function(lambda: self._current is not None)
+        metrics.busy.set_function(lambda: len(self._running))
 
     @property
     def queued(self) -> int:
@@ -170,12 +172,18 @@ class Worker:
     @property
     def busy(self) -> bool:
         with self._cv:
-            return self._current is not None
+            return bool(self._running)
+
+    @property
+    def dead(self) -> bool:
+        """A worker thread that was started has ended (a health check fails on it)."""
+        with self._cv:
+            return any(t is not None and not t.is_alive() for t in self._threads)
 
     def retry_after(self) -> int:
         """Seconds until a place is likely free: the mean job time, times the jobs ahead."""
         with self._cv:
-            ahead = len(self._waiting) + (self._current is not None)
+            ahead = (len(self._waiting) + len(self._running)) / len(self._engines)
         return max(1, min(600, math.ceil(self._mean_s * ahead)))
 
     def queue_timeout(self) -> APIError:
@@ -258,54 +266,64 @@ class Worker:
             self._ensure_thread()
 
     def _ensure_thread(self) -> None:  # holds _cv
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="specdecode-worker", daemon=True)
-            self._thread.start()
+        for i, thread in enumerate(self._threads):
+            if thread is None or not thread.is_alive():
+                self._stopping = False
+                self._threads[i] = threading.Thread(target=self._loop, args=(i,), name=f"specdecode-worker-{i}",
+                                                    daemon=True)
+                self._threads[i].start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """close(), then wait for the thread to end."""
-        thread = self.close()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        """close(), then wait for the threads to end."""
+        end = time.monotonic() + timeout
+        for thread in self.close():
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, end - time.monotonic()))
 
-    def close(self) -> threading.Thread | None:
-        """Shut down without waiting: refuse the waiting jobs and new ones (503), stop the running one at its
-        next step (its stream ends with an error event). Returns the thread, which ends after that step."""
+    def close(self) -> list[threading.Thread]:
+        """Shut down without waiting: refuse the waiting jobs and new ones (503), stop the running ones at their
+        next step (their streams end with an error event). Returns the threads, which end after that step."""
         with self._cv:
             self._stopping = self._closed = True
             waiting, self._waiting = list(self._waiting), collections.deque()
-            if self._current is not None:
-                self._current.shutdown = True
-                self._current.cancelled.set()
-            thread = self._thread
+            for job in self._running:
+                job.shutdown = True
+                job.cancelled.set()
+            threads = [t for t in self._threads if t is not None]
             self._cv.notify_all()
         for job in waiting:
             job.push(("error", shutting_down()))
-        return thread
+        return threads
 
     def wait_idle(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
         with self._cv:
-            while self._current is not None or self._waiting:
+            while self._running or self._waiting:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
                 self._cv.wait(left)
             return True
 
-    def _loop(self) -> None:
+    def _loop(self, i: int) -> None:
+        engine = self._engines[i]
         while True:
             with self._cv:
                 while not self._waiting and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
                     return
-                job = self._current = self._waiting.popleft()
+                job = self._waiting.popleft()
+                self._running.append(job)
                 job.started = True
             t0 = time.monotonic()
             try:
-                self._run(job)
+                if self.slots is None:
+                    self._run(job, self.lock)
+                else:  # the stream was opened (checked, tokenized) on the engine; it runs on slot i
+                    job.stream = job.stream.reopen(engine)
+                    with self.slots.generation():
+                        self._run(job, engine_lock(engine))
             except Exception:  # never let the worker die
                 log.exception("generation failed")
                 self.metrics.generations.labels(finish_reason="error").inc()
@@ -314,10 +332,10 @@ class Worker:
             finally:
                 self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - t0)
                 with self._cv:
-                    self._current = None
+                    self._running.remove(job)
                     self._cv.notify_all()
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, lock: threading.Lock) -> None:
         if job.cancelled.is_set():
             return
         start = time.monotonic()
@@ -328,7 +346,7 @@ class Worker:
             return
         parts: list[str] = []
         job.stream.interrupt = job.interrupted  # checked by the stream after every step
-        with self.lock:
+        with lock:
             gen = iter(job.stream)
             try:
                 for delta in gen:

@@ -163,6 +163,7 @@ class Service:
             stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs)
         except SpecDecodeError as e:
             raise p.engine_error(e, param) from None
+        stream.reopen = lambda engine: engine.stream(prompt, **kwargs)  # the same request on a batch slot's Engine
         n = stream.stats.prompt_tokens
         room = self.context - n
         if room <= 0:
