@@ -45,7 +45,7 @@ from specdecode.backends.llamacpp import LlamaLM  # noqa: E402
 from specdecode.backends import cache_dir, load_lm, resolve_backend  # noqa: E402
 from specdecode.sampling import probs_from_logits  # noqa: E402
 from helpers import (BRANCHES, CHEAP, EXPENSIVE, SHAPES, accept_everything, gof_pvalue, no_residual_update,  # noqa: E402
-                     path_of, random_tokens, random_tree, residual_is_p, run)
+                     path_of, random_tokens, random_tree, residual_is_p, run_child)
 from tiny import byte_tokenizer, tiny_model  # noqa: E402
 from tinygguf import write_tiny_gguf  # noqa: E402
 
@@ -902,7 +902,7 @@ def test_small_context_gguf_is_not_a_crash(files, tmp_path):
         except SpecDecodeError as e:
             print("error", e)
         """)
-    r = run([sys.executable, "-c", script], timeout=120, env={"SPECDECODE_CACHE": str(tmp_path / "cache")})
+    r = run_child([sys.executable, "-c", script], timeout=120, env={"SPECDECODE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0 and r.stdout.startswith(("loaded", "error")), \
         f"exit status {r.returncode}: {r.stderr.strip().splitlines()[-1:] if r.stderr.strip() else r.stdout}"
 
