@@ -40,6 +40,7 @@ class Lease:
 
 _TOKENIZER_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TOKENIZER_LOCKS_GUARD = threading.Lock()
+_ANY_TOKENIZER = threading.RLock()
 
 
 def tokenizer_lock(tokenizer) -> threading.RLock:
@@ -47,7 +48,10 @@ def tokenizer_lock(tokenizer) -> threading.RLock:
     can fail ("Already borrowed"), and a server tokenizes requests on handler threads while its worker
     decodes. One lock per tokenizer object, shared by every Engine that holds it."""
     with _TOKENIZER_LOCKS_GUARD:
-        lock = _TOKENIZER_LOCKS.get(tokenizer)
-        if lock is None:
-            lock = _TOKENIZER_LOCKS[tokenizer] = threading.RLock()
+        try:
+            lock = _TOKENIZER_LOCKS.get(tokenizer)
+            if lock is None:
+                lock = _TOKENIZER_LOCKS[tokenizer] = threading.RLock()
+        except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: one lock for all of those
+            lock = _ANY_TOKENIZER
         return lock
