@@ -30,8 +30,8 @@ PREFILL_CHUNK = 64  # tokens of a prompt per pass while other generations decode
 class Slots:
     def __init__(self, engine: Engine, n: int, cells: int | None = None, prefill_chunk: int | None = None):
         """n slots sharing a context of `cells` KV entries (default: 4,096 per slot, within the model's context),
-        split evenly. The pass costs of `engine` (measured once per machine) decide how waiting passes are cut
-        into llama_decode calls."""
+        split evenly. The pass costs of `engine` (measured once per machine) are what each slot plans on, as
+        costs in company (InCompany)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise SpecDecodeError(f"the number of slots must be a positive integer, got {n!r}")
         if engine.target.batch_error is not None:  # before any cost measurement
@@ -44,10 +44,14 @@ class Slots:
         self.lockstep = Lockstep()
         costs = engine.tree_costs()
         cells = cells or n * min(4096, engine.target.max_length)
-        targets = make_slots(engine.target, n, cells, self.lockstep, lambda k: costs.t(k))
+        # Waiting passes go into one llama_decode call each time (cost None): one generation's table overstates
+        # a call of several generations' rows (default pair, Zen 4: 4 x 1 token 127 ms in one call, the table
+        # 139; 8 x 1 ~190 ms in llama-server, the table 319), so cutting by it made calls dearer; a table of
+        # calls over several generations (to be measured once per machine) is what plan_split should read.
+        targets = make_slots(engine.target, n, cells, self.lockstep, None)
         drafts = [None] * n
         if engine.draft_model is not None:
-            drafts = make_slots(engine.draft_model.lm, n, cells, self.lockstep, lambda k: costs.d(k))
+            drafts = make_slots(engine.draft_model.lm, n, cells, self.lockstep, None)
         self.engines = []
         for target, draft in zip(targets, drafts):
             e = Engine(target, copy.deepcopy(engine.tokenizer), draft, draft_window=getattr(engine.draft_model,
