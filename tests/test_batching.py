@@ -262,3 +262,19 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
         else:
             alone = engine.generate(body["messages"], method="pld", gamma=2, max_new_tokens=body["max_tokens"])
         assert text == alone.text
+
+
+def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monkeypatch):
+    import json
+    from specdecode.backends.batching import SharedContext
+    from specdecode.slots import costs_path
+    slots = Slots(engine, 2)
+    table = {int(k): v for k, v in json.loads(costs_path(engine.target, 2).read_text()).items()}
+    assert {1, 2, 3, 4, 8} <= set(table) and all(v > 0 for v in table.values())
+    assert slots.engines[0].target._shared.cost(3) == pytest.approx(table[3])  # what plan_split reads
+
+    def never(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(SharedContext, "time_calls", never)
+    again = Slots(engine, 2)  # read from the cache
+    assert again.calls.target == slots.calls.target

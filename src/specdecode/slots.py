@@ -15,9 +15,13 @@ pass sizes; exact mode runs one generation at a time (Slots refuses an exact Eng
 from __future__ import annotations
 
 import copy
+import json
+import os
+import sys
 import threading
+from pathlib import Path
 
-from .backends import slots as make_slots
+from .backends import cache_dir, slots as make_slots
 from .backends.batching import Lockstep
 from .engine import Engine
 from .errors import SpecDecodeError
@@ -44,19 +48,20 @@ class Slots:
         self.lockstep = Lockstep()
         costs = engine.tree_costs()
         cells = cells or n * min(4096, engine.target.max_length)
-        # Waiting passes go into one llama_decode call each time (cost None): one generation's table overstates
-        # a call of several generations' rows (default pair, Zen 4: 4 x 1 token 127 ms in one call, the table
-        # 139; 8 x 1 ~190 ms in llama-server, the table 319), so cutting by it made calls dearer; a table of
-        # calls over several generations (to be measured once per machine) is what plan_split should read.
         targets = make_slots(engine.target, n, cells, self.lockstep, None)
-        drafts = [None] * n
+        # what whole calls over several generations cost (measured once per machine and slot count, cached): how
+        # waiting passes are cut into llama_decode calls, and what a slot's tokens add to a call (InCompany)
+        self.calls = call_costs(targets[0]._shared, n, costs_path(engine.target, n), engine.progress)
+        targets[0]._shared.cost = self.calls.t
+        drafts = [None] * n  # the draft's waiting passes: one call each time
         if engine.draft_model is not None:
             drafts = make_slots(engine.draft_model.lm, n, cells, self.lockstep, None)
         self.engines = []
         for target, draft in zip(targets, drafts):
             e = Engine(target, copy.deepcopy(engine.tokenizer), draft, draft_window=getattr(engine.draft_model,
                        "window", None))
-            e.costs, e.datastore, e.progress = InCompany(costs, self._company), engine.datastore, engine.progress
+            e.costs, e.datastore, e.progress = InCompany(costs, self._company, self.calls), engine.datastore, \
+                engine.progress
             target.prefill_chunk = prefill_chunk or PREFILL_CHUNK
             self.engines.append(e)
 
@@ -102,21 +107,51 @@ class Slots:
         return results
 
 
+CALL_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # tokens in one call over several generations (time_calls)
+
+
+def costs_path(lm, n: int) -> Path:
+    from .planning.costs import machine_key
+    return cache_dir() / "costs" / f"calls-{machine_key(lm)}-{n}.json"
+
+
+def call_costs(shared, n: int, path: Path, progress: bool = True) -> CostModel:
+    """The target's table of whole calls over n slots (SharedContext.time_calls), read from `path` or
+    measured there (a few seconds: each slot reads 128 tokens first)."""
+    try:
+        table = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
+        if table and all(v > 0 for v in table.values()):
+            return CostModel(table)
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet, or damaged: measure
+    if progress:
+        sys.stderr.write(f"measuring batched pass costs for {n} slots (once per machine)...\n")
+    table = shared.time_calls([m for m in CALL_SIZES if m <= max(4 * n, 8)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(table))
+    tmp.replace(path)
+    return CostModel(table)
+
+
 class InCompany(CostModel):
     """What a generation's pass adds to a shared one: with b tokens of other generations in it, n tokens of
-    this one cost T(b + n) - T(b) (likewise for the draft's passes). The planner, reading these, weighs a guess
+    this one cost C(b + n) - C(b), C the measured cost of whole calls over several generations (`calls`; without
+    it, one generation's table T; the draft's passes: its own table). The planner, reading these, weighs a guess
     against a plain step at their cost in company: where a bigger pass costs about as much per token as
     another plain step (compute-bound kernels) or jumps to a slower kernel, speculation shrinks or stops as
     the batch grows; where a pass is flat in its size (memory-bound), guesses stay cheap."""
 
-    def __init__(self, base: CostModel, company):
+    def __init__(self, base: CostModel, company, calls: CostModel | None = None):
         super().__init__(base.target, base.draft, base.target_at, base.draft_at)
         self.company = company  # () -> tokens of the other generations in a pass
+        self.calls = calls
 
     def at(self, context: int, draft_context: int | None = None) -> CostModel:
         now, b = super().at(context, draft_context), self.company()
         if b <= 0:
             return now
+        whole = self.calls or now
         floor = 0.05 * now.t(1)  # a pass is never free
-        return CostModel({n: max(floor, now.t(b + n) - now.t(b)) for n in now.target},
+        return CostModel({n: max(floor, whole.t(b + n) - whole.t(b)) for n in now.target},
                          {k: max(0.05 * now.d(1), now.d(b + k) - now.d(b)) for k in now.draft} if now.draft else {})
