@@ -108,7 +108,7 @@ def _serve_parser(sub) -> None:
                    help="the most tokens of prompt and output a request may use (default: the model's context)")
     s.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="generations served at once (continuous batching, llama.cpp: their passes are shared; "
-                        "each gets --ctx-size tokens, default 4096); default 1")
+                        "each gets --ctx-size tokens, default 4096, less its tree room); default 1")
     r = s.add_argument_group("Ray Serve: replicas, on one machine or a Ray cluster (needs the ray extra)")
     r.add_argument("--ray", action="store_true", help="serve as Ray Serve replicas, each with its own models (on "
                                                       "$RAY_ADDRESS or a local `ray start`'s cluster, else a new one)")

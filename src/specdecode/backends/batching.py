@@ -75,6 +75,10 @@ class Lockstep:
                     try:
                         self.passes += ctx.decode(batch)
                         self.rows += len(batch)
+                    except BaseException as e:  # noqa: BLE001 (each thread raises its own request's error)
+                        for r in batch:
+                            if r[1] is None and r[2] is None:
+                                r[2] = e
                     finally:
                         self._cv.acquire()
                         self._busy = False
@@ -88,17 +92,12 @@ class Lockstep:
         return req[1]
 
 
-CALL_OVERHEAD = 0.1  # of a 1-token pass: what a llama_decode call costs beyond its tokens' share (graph, threads)
-
-
 def plan_split(sizes: list[int], cost: Callable[[int], float] | None, cap: int = N_BATCH) -> list[int]:
     """Where to cut a list of passes (their token counts, in order) into llama_decode calls: the cut that
-    costs least by `cost` (seconds of one pass over n tokens, plus CALL_OVERHEAD per call; None: one call per
-    N_BATCH tokens), with every call at most `cap` tokens. Returns the number of passes in each call. The
-    table is one generation's; several generations' rows in one call measured cheaper than it says (default
-    pair, Zen 4, 4 slots x 1 token: 127 ms in one call, 173 ms in two of 2), hence the overhead per call."""
+    costs least by `cost` (seconds of one whole call over n tokens of several generations, as
+    SharedContext.time_calls measures it; None: one call per N_BATCH tokens), with every call at most `cap`
+    tokens. Returns the number of passes in each call."""
     n = len(sizes)
-    overhead = CALL_OVERHEAD * cost(1) if cost is not None else 0.0
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
@@ -107,7 +106,7 @@ def plan_split(sizes: list[int], cost: Callable[[int], float] | None, cap: int =
             total += sizes[i]
             if total > cap and i < j - 1:
                 break
-            c = best[i] + (cost(total) + overhead if cost is not None else 1.0)
+            c = best[i] + (cost(total) if cost is not None else 1.0)
             if c < best[j]:
                 best[j], cut[j] = c, i
     groups, j = [], n
@@ -264,14 +263,11 @@ class LlamaSlot(LlamaLM):
         return self._shared.lm.describe()
 
     def reserve(self, n: int) -> None:
-        if n > self.max_length:
-            raise SpecDecodeError(f"{n} tokens do not fit in a batch slot: {self.max_length} tokens each "
-                                  f"({self._shared.cells} cells shared by {len(self._shared.slots)} slots; a "
-                                  "bigger context holds more)")
+        pass  # a slot's cells are set aside up front (max_length: the loop stops there, as LlamaLM's does)
 
     def reset(self) -> None:
         lc = self._lc
-        for sid in (self.seq0, *self.seq, *((self.park,) if self.park is not None else ())):
+        for sid in (self.seq0, *self._node_ids, *((self.park,) if self.park is not None else ())):
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
         self.ids, self.trunk, self.parent, self.pos, self.seq = [], 0, [], [], []
         self._free = self._node_ids[::-1]

@@ -280,8 +280,9 @@ class LlamaLM(LM):
             j += 1
         if j == n:  # a causal chain: split into batches of N_BATCH
             out = []
-            for a in range(0, n, self.chunk):
-                chunk = new_ids[a:a + self.chunk]
+            step = self.chunk  # read once: a batch slot's may change while it feeds (others join or leave)
+            for a in range(0, n, step):
+                chunk = new_ids[a:a + step]
                 last = a + len(chunk) == n
                 rows = self._decode([(t, start + a + k, [self.seq0], not last_only or (last and k == len(chunk) - 1))
                                      for k, t in enumerate(chunk)])

@@ -207,7 +207,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
             raise SpecDecodeError(f"{name} must be a positive number of seconds, got {value!r}")
     if api_key is not None and not api_key:
         raise SpecDecodeError("the API key must not be empty")
-    context = engine.target.max_length
+    context = engine.target.max_length if slots is None else slots.engines[0].target.max_length
     cap = context if max_tokens_cap is None else max(1, min(int(max_tokens_cap), context))
     metrics = Metrics(model_id, method, gamma)
     worker = Worker(engine, max_queue, metrics, slots)

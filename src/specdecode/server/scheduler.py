@@ -321,7 +321,12 @@ class Worker:
                 if self.slots is None:
                     self._run(job, self.lock)
                 else:  # the stream was opened (checked, tokenized) on the engine; it runs on slot i
-                    job.stream = job.stream.reopen(engine)
+                    try:
+                        job.stream = job.stream.reopen(engine)
+                    except SpecDecodeError as e:  # a slot's own limits (its share of the tree-node ids)
+                        self.metrics.generations.labels(finish_reason="error").inc()
+                        job.push(("error", engine_error(e)))
+                        continue
                     with self.slots.generation():
                         self._run(job, engine_lock(engine))
             except Exception:  # never let the worker die
