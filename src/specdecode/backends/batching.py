@@ -267,7 +267,9 @@ class LlamaSlot(LlamaLM):
 
     def reset(self) -> None:
         lc = self._lc
-        for sid in (self.seq0, *self._node_ids, *((self.park,) if self.park is not None else ())):
+        free = set(getattr(self, "_free", ()))
+        taken = [sid for sid in self._node_ids if sid not in free]  # ids in use, or taken by a pass that failed
+        for sid in (self.seq0, *taken, *((self.park,) if self.park is not None else ())):
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
         self.ids, self.trunk, self.parent, self.pos, self.seq = [], 0, [], [], []
         self._free = self._node_ids[::-1]
