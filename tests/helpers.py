@@ -227,3 +227,39 @@ def run_child(cmd: list[str], *, timeout: float = 300, env: dict | None = None, 
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
         pytest.fail(f"{cmd[1:]} ran past {timeout} s\nstdout tail: {out[-500:]!r}\nstderr tail: {err[-1500:]!r}\n"
                     "busiest processes:\n" + "\n".join(ps), pytrace=False)
+
+
+class LiveServer:
+    """uvicorn on 127.0.0.1 and a free port, in a background thread (serve's Server: its shutdown order)."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+        from specdecode.server.app import Server
+        self.app = app
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"))  # serve's uvicorn
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    @property
+    def worker(self):
+        return self.app.state.worker
+
+    def wait_idle(self, timeout=30.0):
+        assert self.worker.wait_idle(timeout), "the worker is still busy"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -252,22 +252,11 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
     import asyncio
 
     import httpx
-    import uvicorn
+    from helpers import LiveServer
     from specdecode.server import create_app
-    from specdecode.server.app import Server
-    import socket
     slots = Slots(engine, 3)
-    app = create_app(engine, model_id="tiny", method="pld", gamma=2, slots=slots)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.02)
+    live = LiveServer(create_app(engine, model_id="tiny", method="pld", gamma=2, slots=slots))
+    url = live.url
     reqs = [("completions", dict(prompt=p, max_tokens=8 + 4 * i,
                                  speculation={"method": ["pld", "autoregressive", "tree"][i % 3]}))
             for i, p in enumerate(PROMPTS)]
@@ -295,8 +284,7 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
         got = asyncio.run(all_at_once())
         assert slots.lockstep.rows - rows_before > 0 and slots.lockstep.rows > slots.lockstep.passes
     finally:
-        server.should_exit = True
-        thread.join(30)
+        live.stop()
     assert got[-1]  # a request without max_tokens runs to its slot's room
     for (path, body), text in zip(reqs[:-1], got):
         spec = body.get("speculation", {})

@@ -2,14 +2,10 @@
 against our server at concurrency 1 and 3 (loopback only, a handful of requests), and the launch of a peer."""
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from specdecode.bench.load import (first_difference, greedy_mismatches, level_rows, measure_server, percentile,
                                    run_level_async)
@@ -17,6 +13,8 @@ from specdecode.bench.llama_server import find_binary
 from specdecode.bench.load_peers import peer_argv
 from specdecode.cli import main
 from specdecode.server import create_app, engine_lock
+
+from helpers import LiveServer
 
 MODEL = "tiny"
 
@@ -129,28 +127,6 @@ def test_llama_server_peer_command(tmp_path):
 
 
 # -- the client against our server ---------------------------------------------------------------------------------
-class LiveServer:
-    """uvicorn on 127.0.0.1 and a free port, in a background thread."""
-
-    def __init__(self, app):
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.app.state.worker.stop()
-
-
 def test_load_on_our_server_loses_nothing_and_answers_as_alone(tiny_engine):
     """Concurrency 1 and 3: no 5xx, every response complete (its text and token count those of the same
     request generated alone by the engine), and the greedy check finds nothing."""

@@ -16,14 +16,13 @@ import pytest
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from helpers import LiveServer
 from tiny import byte_tokenizer, tiny_model
 
 from specdecode import METHODS, Engine, SpecDecodeError
 from specdecode.cli import main
 from specdecode.server import create_app, engine_lock
-from specdecode.server.app import Server
 
 MODEL = "tiny"
 KEY = "sk-test-0123456789"
@@ -41,36 +40,6 @@ def _one_torch_thread():
 def make_engine() -> Engine:
     tok = byte_tokenizer()
     return Engine(tiny_model(0), tok, tiny_model(1), tok)
-
-
-class LiveServer:
-    """uvicorn on 127.0.0.1 and a free port, in a background thread."""
-
-    def __init__(self, app):
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"))  # serve's uvicorn
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-
-    @property
-    def worker(self):
-        return self.app.state.worker
-
-    def wait_idle(self, timeout=30.0):
-        assert self.worker.wait_idle(timeout), "the worker is still busy"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
