@@ -155,24 +155,74 @@ def test_load_on_our_server_loses_nothing_and_answers_as_alone(tiny_engine):
         assert r["finish_reason"] in ("length", "stop")
 
 
+# a second round of the same load on the same server may hold this much more memory at its peak than the first
+# (allocator arenas, lazily built caches); a leak per request or per token would grow past it
+LEAK_MARGIN_MIB, LEAK_MARGIN_FRACTION = 32.0, 0.05
+
+
 def test_loadtest_command_launches_our_server(tiny_dirs, tmp_path, capsys):
-    """`specdecode loadtest --launch specdecode`: a fresh server on a free port, measured, stopped; the JSON,
-    markdown and plot written. (One level: each level starts its own server, a model load each.)"""
+    """`specdecode loadtest --launch specdecode --rounds 2`: a fresh server on a free port, the same load run
+    twice on it, stopped; the JSON, markdown and plot written; the server's memory bounded (the second
+    round's peak RSS not above the first's beyond the margin). (One level: each level starts its own server,
+    a model load each.)"""
     target, draft = tiny_dirs
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
     out = tmp_path / "out"
     assert main(["loadtest", "--launch", "specdecode", "--target", str(target), "--draft", str(draft),
                  "--prompts", str(prompts), "--concurrency", "1", "--max-tokens", "8", "--threads", "1",
+                 "--requests", "12", "--rounds", "2",
                  "--ours-args", "--method draft --gamma 3 --history-tokens 0", "--ready-timeout", "120",
                  "--out", str(out)]) == 0
     results = json.loads((out / "loadtest.json").read_text())
     levels = results["servers"]["specdecode"]["levels"]
-    assert [(s["concurrency"], s["ok"], s["errors"]) for s in levels] == [(1, 3, 0)], levels
+    assert [(s["concurrency"], s["round"], s["ok"], s["errors"]) for s in levels] == [(1, 1, 12, 0), (1, 2, 12, 0)]
+    assert levels[1]["greedy_compared"] == 12 and levels[1]["greedy_mismatches"] == 0  # round 2 answers as round 1
     assert results["servers"]["specdecode"]["commands"]["1"].split()[2:4] == ["specdecode", "serve"]
-    assert (out / "loadtest.png").stat().st_size > 0 and "| specdecode | 1 | 3/3 |" in (out / "loadtest.md").read_text()
-    assert "| specdecode | 1 | 3/3 |" in capsys.readouterr().out
+    md = (out / "loadtest.md").read_text()
+    assert (out / "loadtest.png").stat().st_size > 0 and "| specdecode | 1 | 12/12 |" in md
+    assert "| specdecode | 1 (round 2) | 12/12 |" in md and "| specdecode | 1 | 12/12 |" in capsys.readouterr().out
     assert "serving" in (out / "logs" / "specdecode-c1.log").read_text()
+    first, second = (s["memory"] for s in levels)
+    for m in (first, second):  # a Python server with torch holds well over 50 MiB; the samples ran
+        assert m["rss_before_mib"] > 50 and m["rss_peak_mib"] >= m["rss_before_mib"] and m["samples"] >= 2, m
+    bound = first["rss_peak_mib"] * (1 + LEAK_MARGIN_FRACTION) + LEAK_MARGIN_MIB
+    assert second["rss_peak_mib"] <= bound, (
+        f"server RSS (process and children, sampled every {first['interval_s']} s) peaked at "
+        f"{second['rss_peak_mib']} MiB in round 2 of the same 12 requests against {first['rss_peak_mib']} MiB in "
+        f"round 1 (before: {first['rss_before_mib']} / {second['rss_before_mib']} MiB): more than the allowed "
+        f"{LEAK_MARGIN_FRACTION:.0%} + {LEAK_MARGIN_MIB:.0f} MiB ({bound:.0f} MiB)")
+
+
+def test_rss_of_a_process_tree_and_the_sampler():
+    """rss_bytes counts a process's children (psutil and /proc agree); the sampler keeps before, peak, after."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from specdecode.bench.procmem import MemorySampler, _proc_rss, rss_bytes, rss_bytes_proc
+    child = "x = b'x' * (96 << 20); import time; time.sleep(60)"  # 96 MiB touched: resident
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"],
+                              start_new_session=True)  # its own process group: killed with its child below
+    try:
+        deadline = time.monotonic() + 20
+        while rss_bytes(parent.pid) - _proc_rss(parent.pid) < 96 << 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        total, own = rss_bytes(parent.pid), _proc_rss(parent.pid)
+        assert total - own >= 96 << 20, (total, own)
+        assert abs(rss_bytes_proc(parent.pid) - total) < 16 << 20
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    assert rss_bytes(parent.pid) is None and rss_bytes_proc(parent.pid) is None  # gone
+    values = iter([100 << 20, 300 << 20, 200 << 20] + [150 << 20] * 1000)
+    with MemorySampler(1, interval=0.01, read=lambda pid: next(values)) as mem:
+        time.sleep(0.1)
+    got = mem.result()
+    assert got["rss_before_mib"] == 100 and got["rss_peak_mib"] == 300 and got["rss_after_mib"] == 150
+    assert got["samples"] >= 4
 
 
 LLAMA_SERVER = find_binary("llama-server")  # read at import: the tests' cache is a temporary one

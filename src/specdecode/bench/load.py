@@ -15,8 +15,9 @@ level's tokens over its wall time, first request sent to last one done), p50/p99
 and the errors (5xx counted apart).
 
 Greedy check: a greedy answer must not depend on the company it had, so each request's text at
-concurrency > 1 is compared with the same prompt's answer from the solo level (concurrency 1); a
-mismatch is reported (where it starts), it does not stop the run.
+concurrency > 1 is compared with the same prompt's answer from the solo level (concurrency 1), and so is each
+answer of a later solo level (a second round on the same server); a mismatch is reported (where it starts),
+it does not stop the run.
 """
 from __future__ import annotations
 
@@ -192,13 +193,15 @@ def measure_server(url: str, prompts: list[dict], levels: list[int], max_tokens:
     out = {"levels": [], "mismatches": [], "requests": [], "solo": solo}
     for c in levels:
         summary, records = run_level(url, model, level_rows(prompts, c, requests), c, max_tokens, timeout)
+        earlier = dict(solo)  # concurrency 1 again (a later round) is checked against the first answers
         if c == 1:
             for r in records:
                 if r["error"] is None:
                     solo.setdefault(r["id"], r["text"])
-        mismatches = greedy_mismatches(solo, records, c) if c > 1 else []
+        ref = solo if c > 1 else earlier
+        mismatches = greedy_mismatches(ref, records, c)
         summary["greedy_mismatches"] = len(mismatches)
-        summary["greedy_compared"] = sum(1 for r in records if r["error"] is None and r["id"] in solo) if c > 1 else 0
+        summary["greedy_compared"] = sum(1 for r in records if r["error"] is None and r["id"] in ref)
         out["levels"].append(summary)
         out["mismatches"] += mismatches
         out["requests"] += [{"concurrency": c, **{k: r[k] for k in COMPACT}} for r in records]

@@ -35,6 +35,10 @@ def add_parser(sub) -> None:
                                                             "1 is added first: the solo answers of the greedy check)")
     t.add_argument("--requests", type=int, default=None,
                    help="requests per level (default: every prompt once, at least one per client)")
+    t.add_argument("--rounds", type=int, default=1,
+                   help="--launch: run each level's load N times on the same server process (default 1); the "
+                        "server's peak memory per round shows a leak, and later rounds at concurrency 1 are "
+                        "checked against the first")
     t.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
     t.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take (default 900)")
     t.add_argument("--target", default=None, help="--launch: built-in name or GGUF file (default: the default pair)")
@@ -113,9 +117,9 @@ def loadtest(args) -> int:
         raise SpecDecodeError('`specdecode loadtest` needs httpx, which is not installed: pip install httpx')
     servers, peers = _servers(args.server), _peers(args.launch)
     levels = _levels(args.concurrency)
-    if args.max_tokens <= 0 or (args.limit is not None and args.limit <= 0) or (args.requests is not None
-                                                                                 and args.requests <= 0):
-        raise SpecDecodeError("--max-tokens, --limit and --requests must be positive")
+    if args.max_tokens <= 0 or args.rounds <= 0 or (args.limit is not None and args.limit <= 0) or (
+            args.requests is not None and args.requests <= 0):
+        raise SpecDecodeError("--max-tokens, --rounds, --limit and --requests must be positive")
     binary = args.llama_server or (str(ls.find_binary()) if ls.find_binary() else None)
     if args.build_llama_server and binary is None:
         binary = str(ls.build(src=args.llama_src, jobs=args.jobs) / "llama-server")
@@ -133,6 +137,7 @@ def loadtest(args) -> int:
     log = lambda msg: (sys.stderr.write(msg + "\n"), sys.stderr.flush())  # noqa: E731
     results = {"config": {"prompts": args.prompts, "n_prompts": len(prompts), "limit": args.limit,
                           "concurrency": levels, "requests": args.requests, "max_tokens": args.max_tokens,
+                          "rounds": args.rounds,
                           "temperature": 0.0, "argv": shlex.join(sys.argv)},
                "cpu": cpu_description(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "servers": {}}
     for name, url in servers.items():
@@ -158,7 +163,7 @@ def loadtest(args) -> int:
             results["servers"][name] = measure_peer(name, prompts, levels, max_tokens=args.max_tokens,
                                                     requests=args.requests, timeout=args.timeout,
                                                     out_dir=Path(args.out), argv_kw=kw,
-                                                    ready_timeout=args.ready_timeout, log=log)
+                                                    ready_timeout=args.ready_timeout, rounds=args.rounds, log=log)
     out = write_outputs(results, args.out)
     sys.stdout.write(markdown(results).split("\n## Commands")[0] + f"\nwritten to {out}/\n")
     return 0

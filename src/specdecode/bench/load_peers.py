@@ -1,5 +1,6 @@
 """The servers `specdecode loadtest --launch` starts itself (issue 22): each on a free loopback port, waited
-for until /health answers 200, measured, then stopped (SIGINT, then SIGKILL after 30 s).
+for until /health answers 200, measured (with its resident memory: procmem.py), then stopped (SIGINT, then
+SIGKILL after 30 s).
 
 Peers (one fresh process per concurrency level c, so that no level inherits caches or output history
 from another):
@@ -140,10 +141,13 @@ class Launched:
 
 
 def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_tokens: int, requests: int | None,
-                 timeout: float, out_dir: Path, argv_kw: dict, ready_timeout: float = 900.0, log=print) -> dict:
-    """Launch peer `name` once per level, measure that level, stop it. Level 1 (first) gives the solo
-    answers the later levels are checked against."""
+                 timeout: float, out_dir: Path, argv_kw: dict, ready_timeout: float = 900.0, rounds: int = 1,
+                 log=print) -> dict:
+    """Launch peer `name` once per level, measure that level `rounds` times on that process, stop it. Level 1
+    (first) gives the solo answers the later levels (and rounds) are checked against. Each level's summary
+    carries its round and the server's memory (procmem.MemorySampler: RSS before the round, its peak)."""
     from .load import measure_server
+    from .procmem import MemorySampler
     solo: dict[str, str] = {}
     result = {"levels": [], "mismatches": [], "requests": [], "commands": {}, "solo": solo}
     for c in levels:
@@ -155,12 +159,19 @@ def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_token
         try:
             with Launched(argv, port, out_dir / "logs" / f"{name}-c{c}.log", ready_timeout) as srv:
                 log(f"  ready in {time.perf_counter() - started:.1f} s")
-                got = measure_server(srv.url, prompts, [c], max_tokens, requests, timeout, solo=solo, log=log)
+                for r in range(1, rounds + 1):
+                    with MemorySampler(srv.proc.pid) as mem:
+                        got = measure_server(srv.url, prompts, [c], max_tokens, requests, timeout, warmup=r == 1,
+                                             solo=solo, log=log)
+                    memory = mem.result()
+                    log(f"  round {r}: server RSS {memory['rss_before_mib']} MiB before, "
+                        f"{memory['rss_peak_mib']} MiB at peak")
+                    for s in got["levels"]:
+                        s.update(round=r, memory=memory)
+                    result["levels"] += got["levels"]
+                    result["mismatches"] += [{**m, "round": r} for m in got["mismatches"]]
+                    result["requests"] += [{**q, "round": r} for q in got["requests"]]
         except SpecDecodeError as e:
             log(f"  failed: {e}")
             result["levels"].append({"concurrency": c, "failed": str(e)[:2000]})
-            continue
-        result["levels"] += got["levels"]
-        result["mismatches"] += got["mismatches"]
-        result["requests"] += got["requests"]
     return result

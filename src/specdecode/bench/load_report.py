@@ -11,27 +11,39 @@ def _ms(x) -> str:
     return "n/a" if x is None else f"{x * 1000:.0f}" if x >= 0.1 else f"{x * 1000:.1f}"
 
 
+def _rss(s: dict) -> str:
+    mem = s.get("memory") or {}
+    if mem.get("rss_peak_mib") is None:
+        return "n/a"
+    return f"{mem['rss_before_mib']:.0f} / {mem['rss_peak_mib']:.0f}"
+
+
 def markdown(results: dict) -> str:
     cfg = results["config"]
     lines = [f"# Load test: {cfg['max_tokens']} new tokens, greedy, streamed", "",
              f"CPU: {results.get('cpu') or 'unknown'}; prompts: {', '.join(cfg['prompts'])} "
              f"({cfg['n_prompts']} prompts); requests per level: {cfg['requests'] or 'every prompt once'}", "",
              "| server | concurrency | ok/requests | total completion tok/s | TTFT p50 (ms) | TTFT p99 (ms) | "
-             "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | errors (5xx) | greedy mismatches |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | errors (5xx) | greedy mismatches | "
+             "server RSS before / peak (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, srv in results["servers"].items():
         for s in srv["levels"]:
             if "failed" in s:
-                lines.append(f"| {name} | {s['concurrency']} | failed: {s['failed'][:80]!s} | | | | | | | | |")
+                lines.append(f"| {name} | {s['concurrency']} | failed: {s['failed'][:80]!s} | | | | | | | | | |")
                 continue
             rate = "n/a" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.2f}"
-            mism = f"{s['greedy_mismatches']}/{s['greedy_compared']}" if s["concurrency"] > 1 else "(reference)"
-            lines.append(f"| {name} | {s['concurrency']} | {s['ok']}/{s['requests']} | {rate} | {_ms(s['ttft_p50_s'])} "
+            mism = f"{s['greedy_mismatches']}/{s['greedy_compared']}" if s["concurrency"] > 1 or s["greedy_compared"] \
+                else "(reference)"
+            level = f"{s['concurrency']}" + (f" (round {s['round']})" if s.get("round", 1) > 1 else "")
+            lines.append(f"| {name} | {level} | {s['ok']}/{s['requests']} | {rate} | {_ms(s['ttft_p50_s'])} "
                          f"| {_ms(s['ttft_p99_s'])} | {_ms(s['itl_p50_s'])} | {_ms(s['itl_p99_s'])} "
-                         f"| {_ms(s['tpot_p50_s'])} | {s['errors']} ({s['errors_5xx']}) | {mism} |")
+                         f"| {_ms(s['tpot_p50_s'])} | {s['errors']} ({s['errors_5xx']}) | {mism} | {_rss(s)} |")
     lines += ["", "ITL: gaps between streamed text chunks (a chunk with several tokens counts once); TPOT: "
               "(last chunk - first chunk) / (tokens - 1) per request. Greedy mismatches: responses at this "
-              "concurrency whose text differs from the same prompt served alone (concurrency 1)."]
+              "concurrency whose text differs from the same prompt served alone (concurrency 1; a later round at concurrency 1 "
+              "is compared with the first). Server RSS: resident memory of a launched server and its child processes "
+              "before the round and its peak during it (sampled every 0.5 s); n/a for servers not launched here."]
     lines += cross_server(results)
     mismatches = [(name, m) for name, srv in results["servers"].items() for m in srv["mismatches"]]
     if mismatches:
@@ -69,7 +81,8 @@ def plot(results: dict, path: Path) -> Path | None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ticks = sorted({s["concurrency"] for srv in results["servers"].values() for s in srv["levels"]})
     for name, srv in results["servers"].items():
-        levels = [s for s in srv["levels"] if "failed" not in s and s["tokens_per_s"] is not None]
+        levels = [s for s in srv["levels"] if "failed" not in s and s["tokens_per_s"] is not None
+                  and s.get("round", 1) == 1]
         if not levels:
             continue
         cs = [s["concurrency"] for s in levels]
