@@ -10,7 +10,7 @@ import torch
 from specdecode.bench.load import (first_difference, greedy_mismatches, level_rows, measure_server, percentile,
                                    run_level_async)
 from specdecode.bench.llama_server import find_binary
-from specdecode.bench.load_peers import peer_argv
+from specdecode.bench.load_peers import llama_cpp_server_missing, peer_argv
 from specdecode.cli import main
 from specdecode.server import create_app, engine_lock
 
@@ -124,6 +124,20 @@ def test_llama_server_peer_command(tmp_path):
     assert peer_argv("specdecode-p1", **{**kw, "serve_flags": flags})[-2:] == ["--parallel", "1"]
     assert peer_argv("specdecode-p1", **{**kw, "serve_flags": flags, "ours_ctx": True})[-2:] == ["--ctx-size", "4096"]
     assert peer_argv("specdecode", **{**kw, "serve_flags": flags})[-2:] == ["--parallel", "4"]
+    lcp = " ".join(peer_argv("llama-cpp-python", **kw))  # one sequence of CTX tokens, whatever the slots
+    assert lcp.split()[1:3] == ["-m", "llama_cpp.server"] and f"--model {gguf}" in lcp and "--port 1234" in lcp
+    assert "--n_threads 2 --n_threads_batch 2 --n_ctx 4096 --interrupt_requests False" in lcp
+
+
+def test_llama_cpp_python_peer_without_its_server_packages(monkeypatch, tmp_path, capsys):
+    """The peer's missing pure-Python packages are named (with the pip command) before anything starts."""
+    import specdecode.bench.load_peers as load_peers
+    monkeypatch.setattr(load_peers, "llama_cpp_server_missing", lambda: ["sse-starlette", "starlette-context<0.4"])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
+    assert main(["loadtest", "--launch", "llama-cpp-python", "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert "llama-cpp-python" in err and "pip install sse-starlette 'starlette-context<0.4'" in err
 
 
 # -- the client against our server ---------------------------------------------------------------------------------
@@ -247,3 +261,28 @@ def test_llama_server_peers_on_a_tiny_gguf(tmp_path, capsys):
         assert all(r["usage_tokens"] == 8 for r in srv["requests"])
         assert "-np 2 -kvu -c 256" in srv["commands"]["2"]
     assert "--spec-type draft-simple" in results["servers"]["llama-server-draft"]["commands"]["1"]
+
+
+LLAMA_CPP_SERVER_MISSING = llama_cpp_server_missing()
+
+
+@pytest.mark.skipif(bool(LLAMA_CPP_SERVER_MISSING), reason="llama-cpp-python's server needs "
+                    f"{', '.join(LLAMA_CPP_SERVER_MISSING)} (pip install -e '.[test]')")
+def test_llama_cpp_python_server_as_a_reference_peer(tmp_path, capsys):
+    """`--launch llama-cpp-python`: its own server on a tiny GGUF, ready on /v1/models, streamed completions back
+    through the load harness at concurrency 1 and 2 (one at a time behind its lock: none cut off), memory read."""
+    from tinygguf import write_tiny_gguf
+    target = write_tiny_gguf(tmp_path / "t.gguf", 0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    assert main(["loadtest", "--launch", "llama-cpp-python", "--target", str(target), "--prompts", str(prompts),
+                 "--concurrency", "2", "--max-tokens", "8", "--threads", "1", "--ctx-size", "128",
+                 "--ready-timeout", "60", "--out", str(out)]) == 0
+    srv = json.loads((out / "loadtest.json").read_text())["servers"]["llama-cpp-python"]
+    assert [(s["concurrency"], s["ok"], s["errors"]) for s in srv["levels"]] == [(1, 3, 0), (2, 3, 0)], srv
+    assert all(r["status"] == 200 and r["chunks"] >= 1 and r["finish_reason"] for r in srv["requests"]), srv["requests"]
+    assert srv["levels"][1]["greedy_compared"] == 3
+    assert all(s["memory"]["rss_peak_mib"] > 0 for s in srv["levels"])
+    assert "--n_ctx 128 --interrupt_requests False" in srv["commands"]["2"]
+    assert "| llama-cpp-python | 2 | 3/3 |" in capsys.readouterr().out

@@ -39,9 +39,10 @@ def percentile(values, q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def request_body(row: dict, model: str, max_tokens: int) -> tuple[str, dict]:
+def request_body(row: dict, model: str, max_tokens: int, extra: dict | None = None) -> tuple[str, dict]:
+    """extra: more fields a server needs to decode greedily (llama-cpp-python's: its repeat_penalty)."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     if row.get("chat"):
         body["messages"] = [{"role": "user", "content": row["prompt"]}]
         return "/v1/chat/completions", body
@@ -49,9 +50,10 @@ def request_body(row: dict, model: str, max_tokens: int) -> tuple[str, dict]:
     return "/v1/completions", body
 
 
-async def one_request(client, url: str, model: str, row: dict, max_tokens: int, clock=time.perf_counter) -> dict:
+async def one_request(client, url: str, model: str, row: dict, max_tokens: int, clock=time.perf_counter,
+                      extra: dict | None = None) -> dict:
     """Send one streamed request; returns its record (see the module's docstring)."""
-    path, body = request_body(row, model, max_tokens)
+    path, body = request_body(row, model, max_tokens, extra)
     chat = "messages" in body
     rec = {"id": row["id"], "status": None, "error": None, "text": "", "usage_tokens": None, "prompt_tokens": None,
            "finish_reason": None}
@@ -103,7 +105,8 @@ async def one_request(client, url: str, model: str, row: dict, max_tokens: int, 
 
 
 async def run_level_async(url: str, model: str, rows: list[dict], concurrency: int, max_tokens: int,
-                          timeout: float = 600.0, clock=time.perf_counter, transport=None) -> tuple[dict, list[dict]]:
+                          timeout: float = 600.0, clock=time.perf_counter, transport=None,
+                          extra: dict | None = None) -> tuple[dict, list[dict]]:
     """Send `rows` (one request each, in order) with `concurrency` clients; returns (summary, records)."""
     import httpx
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
@@ -112,7 +115,7 @@ async def run_level_async(url: str, model: str, rows: list[dict], concurrency: i
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
         async def worker():
             for row in pending:  # one shared iterator: each row goes to whichever client is free first
-                records.append(await one_request(client, url, model, row, max_tokens, clock))
+                records.append(await one_request(client, url, model, row, max_tokens, clock, extra))
 
         t0 = clock()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -183,16 +186,18 @@ def server_model(url: str, timeout: float = 30.0) -> str:
 
 def measure_server(url: str, prompts: list[dict], levels: list[int], max_tokens: int, requests: int | None = None,
                    timeout: float = 600.0, warmup: bool = True, model: str | None = None, log=print,
-                   solo: dict[str, str] | None = None) -> dict:
+                   solo: dict[str, str] | None = None, extra: dict | None = None) -> dict:
     """Every concurrency level against one running server: {"levels": [...], "mismatches": [...],
-    "solo": {id: text}}. The solo answers come from level 1 (or `solo`, from an earlier run)."""
+    "solo": {id: text}}. The solo answers come from level 1 (or `solo`, from an earlier run). `extra`: fields
+    added to every request body."""
     model = model or server_model(url)
     if warmup:
-        run_level(url, model, prompts[:1], 1, min(8, max_tokens), timeout)
+        run_level(url, model, prompts[:1], 1, min(8, max_tokens), timeout, extra=extra)
     solo = {} if solo is None else solo  # filled in place by level 1
     out = {"levels": [], "mismatches": [], "requests": [], "solo": solo}
     for c in levels:
-        summary, records = run_level(url, model, level_rows(prompts, c, requests), c, max_tokens, timeout)
+        summary, records = run_level(url, model, level_rows(prompts, c, requests), c, max_tokens, timeout,
+                                     extra=extra)
         earlier = dict(solo)  # concurrency 1 again (a later round) is checked against the first answers
         if c == 1:
             for r in records:

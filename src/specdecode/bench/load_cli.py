@@ -47,12 +47,15 @@ def add_parser(sub) -> None:
     t.add_argument("--threads", type=int, default=None, help="--launch: CPU threads of every server (default: all "
                                                              "this process may use)")
     t.add_argument("--ctx-size", type=int, default=None,
-                   help="--launch: llama-server's KV cache per slot: -c CTX*slots, shared (-kvu; default 4096); "
-                        "given, also our server's --ctx-size (where it has one; default: the model's context)")
+                   help="--launch: llama-server's KV cache per slot: -c CTX*slots, shared (-kvu; default 4096; "
+                        "llama-cpp-python's --n_ctx CTX); given, also our server's --ctx-size (where it has one; "
+                        "default: the model's context)")
     t.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server binary (default: the cached build, then PATH)")
     t.add_argument("--llama-args", default="", help="--launch: extra llama-server arguments (one shell-quoted string)")
     t.add_argument("--ours-args", default="", help="--launch: extra `specdecode serve` arguments")
+    t.add_argument("--llama-cpp-python-args", default="",
+                   help="--launch: extra `python -m llama_cpp.server` arguments (peer llama-cpp-python)")
     t.add_argument("--ready-timeout", type=float, default=900.0, help="--launch: seconds a server may take to "
                                                                       "answer /health (default 900)")
     t.add_argument("--build-llama-server", action="store_true",
@@ -110,7 +113,7 @@ def loadtest(args) -> int:
     """Run the load benchmark; 0 when it ran (errors and greedy mismatches are reported, not fatal)."""
     from . import llama_server as ls
     from .load import measure_server
-    from .load_peers import DEFAULT_CTX, measure_peer
+    from .load_peers import DEFAULT_CTX, llama_cpp_server_missing, measure_peer
     from .load_report import markdown, write_outputs
     from .run import cpu_description
     if importlib.util.find_spec("httpx") is None:
@@ -131,6 +134,10 @@ def loadtest(args) -> int:
     if binary is None and any(p.startswith("llama-server") for p in peers):
         raise SpecDecodeError("llama-server is not built: add --build-llama-server (about 11 min on 2 cores), "
                               "or pass --llama-server PATH")
+    missing = llama_cpp_server_missing() if "llama-cpp-python" in peers else []
+    if missing:
+        raise SpecDecodeError("peer llama-cpp-python (python -m llama_cpp.server) needs " + ", ".join(missing) +
+                              ": pip install " + " ".join(shlex.quote(m) for m in missing))
     if not args.prompts:
         raise SpecDecodeError("--prompts FILE is required")
     prompts = _prompts(args)
@@ -157,7 +164,8 @@ def loadtest(args) -> int:
         results["config"].update(target=target, draft=draft, threads=threads, ctx_size=args.ctx_size,
                                  llama_server=binary, serve_parallel_flag="--parallel" in flags)
         for name in peers:
-            extra = shlex.split(args.llama_args if name.startswith("llama-server") else args.ours_args)
+            extra = shlex.split(args.llama_args if name.startswith("llama-server") else
+                                args.llama_cpp_python_args if name == "llama-cpp-python" else args.ours_args)
             kw = dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None, target=target, draft=draft, llama_server=binary,
                       serve_flags=flags, extra=extra)
             results["servers"][name] = measure_peer(name, prompts, levels, max_tokens=args.max_tokens,

@@ -10,7 +10,13 @@ from another):
 - `specdecode`: ours, `specdecode serve --target T [--draft D] --threads THREADS`, plus `--parallel c`
   where the server has that flag, and `--ctx-size CTX` where given and the server has it;
 - `specdecode-p1`: ours with `--parallel 1` (only where the server has that flag; without it
-  `specdecode` already serves one request at a time).
+  `specdecode` already serves one request at a time);
+- `llama-cpp-python`: llama-cpp-python's own server (`python -m llama_cpp.server`) on the same GGUF, threads
+  and CTX, as a reference: it serves one request at a time behind a global lock. Started with
+  `--interrupt_requests False` (its default cuts a running stream off when another request arrives),
+  `--logits_all False` (its default keeps every prompt position's logits) and `--use_mlock False`; its
+  readiness is /v1/models (no /health) and its requests carry `repeat_penalty: 1.0` (its default, 1.1,
+  changes greedy answers).
 """
 from __future__ import annotations
 
@@ -25,9 +31,21 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 
-PEERS = ("llama-server", "llama-server-draft", "specdecode", "specdecode-p1")
+PEERS = ("llama-server", "llama-server-draft", "specdecode", "specdecode-p1", "llama-cpp-python")
 DEFAULT_PEERS = ("llama-server", "llama-server-draft", "specdecode")
 DEFAULT_CTX = 4096  # llama-server's KV cells per slot
+HEALTH = {"llama-cpp-python": "/v1/models"}  # the path a peer answers 200 on once ready (default /health)
+REQUEST_EXTRA = {"llama-cpp-python": {"repeat_penalty": 1.0}}  # request fields a peer needs to decode greedily
+# what `python -m llama_cpp.server` imports beyond llama-cpp-python's own dependencies (its `server` extra)
+LLAMA_CPP_SERVER_MODULES = {"llama_cpp": "llama-cpp-python", "fastapi": "fastapi", "uvicorn": "uvicorn",
+                            "sse_starlette": "sse-starlette", "starlette_context": "starlette-context<0.4",
+                            "pydantic_settings": "pydantic-settings"}
+
+
+def llama_cpp_server_missing() -> list[str]:
+    """The pip requirements missing for llama-cpp-python's server (empty: it can start)."""
+    import importlib.util
+    return [req for mod, req in LLAMA_CPP_SERVER_MODULES.items() if importlib.util.find_spec(mod) is None]
 
 
 def free_port() -> int:
@@ -51,7 +69,7 @@ def resolve_gguf(spec: str | None) -> str | None:
     if spec in BUILTIN:
         return str(assemble(BUILTIN[spec], progress=False))
     if not spec.endswith(".gguf") or not Path(spec).is_file():
-        raise SpecDecodeError(f"llama-server needs a GGUF file or a built-in model name, got {spec!r}")
+        raise SpecDecodeError(f"llama.cpp's servers need a GGUF file or a built-in model name, got {spec!r}")
     return spec
 
 
@@ -81,15 +99,21 @@ def peer_argv(name: str, *, port: int, slots: int, threads: int, ctx: int, targe
         if ours_ctx and "--ctx-size" in serve_flags:
             argv += ["--ctx-size", str(ctx)]
         return argv + list(extra)
+    if name == "llama-cpp-python":  # one sequence: c requests wait for its lock, one at a time
+        return [sys.executable, "-m", "llama_cpp.server", "--model", resolve_gguf(target), "--host", "127.0.0.1",
+                "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                "--n_ctx", str(ctx), "--interrupt_requests", "False", "--logits_all", "False",
+                "--use_mlock", "False", *extra]
     raise SpecDecodeError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
 
 
 class Launched:
     """A server process on 127.0.0.1:port, its output in `log_path`; a context manager that waits for
-    /health and stops the process on exit."""
+    `health` (a path) to answer 200 and stops the process on exit."""
 
-    def __init__(self, argv: list[str], port: int, log_path: Path, ready_timeout: float = 900.0, env=None):
-        self.argv, self.port, self.log_path = argv, port, Path(log_path)
+    def __init__(self, argv: list[str], port: int, log_path: Path, ready_timeout: float = 900.0, env=None,
+                 health: str = "/health"):
+        self.argv, self.port, self.log_path, self.health = argv, port, Path(log_path), health
         self.url = f"http://127.0.0.1:{port}"
         self.ready_timeout = ready_timeout
         self.env = {**os.environ, **(env or {})}
@@ -113,7 +137,7 @@ class Launched:
                 self.__exit__(None, None, None)
                 raise SpecDecodeError(f"server not ready after {self.ready_timeout:.0f} s: {self.tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                if httpx.get(self.url + self.health, timeout=5).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -157,12 +181,13 @@ def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_token
         log(f"{name}, concurrency {c}: {shlex.join(argv)}")
         started = time.perf_counter()
         try:
-            with Launched(argv, port, out_dir / "logs" / f"{name}-c{c}.log", ready_timeout) as srv:
+            with Launched(argv, port, out_dir / "logs" / f"{name}-c{c}.log", ready_timeout,
+                          health=HEALTH.get(name, "/health")) as srv:
                 log(f"  ready in {time.perf_counter() - started:.1f} s")
                 for r in range(1, rounds + 1):
                     with MemorySampler(srv.proc.pid) as mem:
                         got = measure_server(srv.url, prompts, [c], max_tokens, requests, timeout, warmup=r == 1,
-                                             solo=solo, log=log)
+                                             solo=solo, log=log, extra=REQUEST_EXTRA.get(name))
                     memory = mem.result()
                     log(f"  round {r}: server RSS {memory['rss_before_mib']} MiB before, "
                         f"{memory['rss_peak_mib']} MiB at peak")
