@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import SpecDecodeError
-from .machine import cache_dir
+from .machine import cache_dir, write_json
 
 FORMAT = 1
 PROMPT, STEPS, MAX_SIZE = 48, 16, 16
@@ -112,8 +112,5 @@ def limits(lm, progress: bool = False) -> ExactLimits:
     if progress:
         print("[specdecode] measuring which pass sizes are bit-exact on this machine (once)...", flush=True)
     found = measure(lm)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(found)))
-    tmp.replace(path)
+    write_json(path, asdict(found))
     return found

@@ -4,6 +4,7 @@ A leaf: it imports nothing from the package, so costs, models and llamacpp can a
 import cycle."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +16,15 @@ def cache_dir() -> Path:
     if root:
         return Path(root).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "specdecode"
+
+
+def write_json(path: Path, data, indent: int | None = None) -> None:
+    """Write a measured table (costs, exact pass sizes, a quantization choice) to the cache atomically: other
+    processes read either the old file or the whole new one, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=indent))
+    tmp.replace(path)
 
 
 def cpu_name() -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 import threading
 from pathlib import Path
@@ -25,6 +24,7 @@ from .backends import cache_dir, slots as make_slots
 from .backends.batching import Lockstep
 from .engine import Engine
 from .errors import SpecDecodeError
+from .machine import write_json
 from .planning.costs import CostModel
 from .stats import Generation
 
@@ -127,10 +127,7 @@ def call_costs(shared, n: int, path: Path, progress: bool = True) -> CostModel:
     if progress:
         sys.stderr.write(f"measuring batched pass costs for {n} slots (once per machine)...\n")
     table = shared.time_calls([m for m in CALL_SIZES if m <= max(4 * n, 8)])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(table))
-    tmp.replace(path)
+    write_json(path, table)
     return CostModel(table)
 
 
@@ -141,6 +138,8 @@ class InCompany(CostModel):
     against a plain step at their cost in company: where a bigger pass costs about as much per token as
     another plain step (compute-bound kernels) or jumps to a slower kernel, speculation shrinks or stops as
     the batch grows; where a pass is flat in its size (memory-bound), guesses stay cheap."""
+
+    static = False  # at() depends on the company of the moment
 
     def __init__(self, base: CostModel, company, calls: CostModel | None = None):
         super().__init__(base.target, base.draft, base.target_at, base.draft_at)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from ..errors import SpecDecodeError
+from ..machine import write_json
 from .llamacpp import LlamaLM, _lib, default_threads
 
 DRAFT_QUANTS = {"Q4_0": 2, "Q8_0": 7}  # name -> llama_ftype (LLAMA_FTYPE_MOSTLY_*)
@@ -85,8 +86,5 @@ def fastest_draft(src: Path, threads: int | None = None, progress: bool = True) 
         del lm
     chosen = min(seconds, key=seconds.get)
     info = {"chosen": chosen, "file_type": types, "one_token_s": seconds}
-    record.parent.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(info, indent=1))
-    tmp.replace(record)
+    write_json(record, info, indent=1)
     return (src if chosen == "original" else requantize(src, chosen, threads)), info

@@ -144,7 +144,14 @@ class CachedLM(LM):
         return i if i < self.trunk else self.pos[i - self.trunk]
 
     def tree_error(self) -> str | None:
-        """Why this model cannot run token trees (a pass with a custom mask and positions); None if it can."""
+        """Why this model cannot run token trees (a pass with a custom mask and positions); None if it can.
+        Worked out again only when the config's attention implementation changes (asked every tree pass)."""
+        key = (id(self.model.config), getattr(self.model.config, "_attn_implementation", None))
+        if getattr(self, "_tree_error_for", None) != key:
+            self._tree_error_for, self._tree_error = key, self._find_tree_error()
+        return self._tree_error
+
+    def _find_tree_error(self) -> str | None:
         name = type(self.model).__name__
         if _has_sliding_layers(self.model.config):
             return (f"{name} has sliding-window attention layers; token trees need full attention "

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from .calibration import Calibration  # noqa: F401  (re-exported)
-from ..machine import cache_dir, cpu_name as _cpu_name  # _cpu_name: the old name, kept
+from ..machine import cache_dir, cpu_name as _cpu_name, write_json  # _cpu_name: the old name, kept
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 DRAFT_SIZES = (1, 2, 4, 8)
@@ -38,6 +37,9 @@ class CostModel:
     draft: dict[int, float] = field(default_factory=dict)  # tokens in one draft pass -> seconds
     target_at: dict[int, dict[int, float]] = field(default_factory=dict)  # longer contexts
     draft_at: dict[int, dict[int, float]] = field(default_factory=dict)
+    # answers that depend on the tables alone (draft_model_can_pay), computed once: tables are never changed
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    static = True  # (a class attribute) costs that depend on the tables alone; slots.InCompany's do not
 
     def t(self, n: int, context: int | None = None) -> float:
         return _at_context(self.target, self.target_at, n, context)
@@ -71,6 +73,9 @@ class CostModel:
 
 
 def _interpolate(table: dict[int, float], n: int) -> float:
+    here = table.get(n)
+    if here is not None:  # a measured size (the planner asks for these almost always)
+        return here
     xs = sorted(table)
     if n <= xs[0]:
         return table[xs[0]] * n / xs[0]
@@ -180,9 +185,6 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
             draft = measure(draft_lm, dsizes, progress=bar, stop_at=float("inf"))
             draft_at = {c: measure(draft_lm, dsizes, progress=bar, stop_at=float("inf"), context=c) for c in dlongs}
         costs = CostModel(target, draft, target_at, draft_at)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"format": FORMAT, "target": costs.target, "draft": costs.draft,
-                               "target_at": costs.target_at, "draft_at": costs.draft_at}, indent=1))
-    tmp.replace(path)
+    write_json(path, {"format": FORMAT, "target": costs.target, "draft": costs.draft,
+                      "target_at": costs.target_at, "draft_at": costs.draft_at}, indent=1)
     return costs

@@ -47,8 +47,13 @@ def draft_model_can_pay(costs: CostModel, alpha: float = AUTO_ALPHA, window: int
     pass at ~1.6 plain steps) auto never runs it, and decodes plainly or with free lookup guesses."""
     if not costs.draft:
         return False
-    return any(chain_speedup(costs.at(c, c if window is None else min(c, window)), alpha) > AUTO_MARGIN
-               for c in costs.contexts)
+    key = ("draft_model_can_pay", alpha, window)
+    # asked once per generation; kept where the answer depends on the tables alone (not on company)
+    memo = costs.memo if costs.static else {}
+    if key not in memo:
+        memo[key] = any(chain_speedup(costs.at(c, c if window is None else min(c, window)), alpha) > AUTO_MARGIN
+                        for c in costs.contexts)
+    return memo[key]
 
 
 def pays(costs: CostModel, spent: float, e: float, n: int, v: float) -> bool:
