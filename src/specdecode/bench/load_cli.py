@@ -113,7 +113,7 @@ def loadtest(args) -> int:
     """Run the load benchmark; 0 when it ran (errors and greedy mismatches are reported, not fatal)."""
     from . import llama_server as ls
     from .load import measure_server
-    from .load_peers import DEFAULT_CTX, llama_cpp_server_missing, measure_peer
+    from .load_peers import llama_cpp_server_missing
     from .load_report import markdown, write_outputs
     from .run import cpu_description
     if importlib.util.find_spec("httpx") is None:
@@ -144,35 +144,40 @@ def loadtest(args) -> int:
     log = lambda msg: (sys.stderr.write(msg + "\n"), sys.stderr.flush())  # noqa: E731
     results = {"config": {"prompts": args.prompts, "n_prompts": len(prompts), "limit": args.limit,
                           "concurrency": levels, "requests": args.requests, "max_tokens": args.max_tokens,
-                          "rounds": args.rounds,
-                          "temperature": 0.0, "argv": shlex.join(sys.argv)},
+                          "rounds": args.rounds, "temperature": 0.0, "argv": shlex.join(sys.argv)},
                "cpu": cpu_description(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "servers": {}}
     for name, url in servers.items():
         log(f"{name} ({url})")
         got = measure_server(url, prompts, levels, args.max_tokens, args.requests, args.timeout, log=log)
         results["servers"][name] = {"url": url, **got}
     if peers:
-        from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
-        target = args.target or DEFAULT_TARGET
-        draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
-        threads = args.threads or len(os.sched_getaffinity(0))
-        flags = getattr(args, "serve_flags", [])
-        if "specdecode-p1" in peers and "--parallel" not in flags:
-            log("specdecode-p1: skipped (this `specdecode serve` has no --parallel: `specdecode` is already one "
-                "request at a time)")
-            peers = [p for p in peers if p != "specdecode-p1"]
-        results["config"].update(target=target, draft=draft, threads=threads, ctx_size=args.ctx_size,
-                                 llama_server=binary, serve_parallel_flag="--parallel" in flags)
-        for name in peers:
-            extra = shlex.split(args.llama_args if name.startswith("llama-server") else
-                                args.llama_cpp_python_args if name == "llama-cpp-python" else args.ours_args)
-            kw = dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None, target=target, draft=draft, llama_server=binary,
-                      serve_flags=flags, extra=extra)
-            results["servers"][name] = measure_peer(name, prompts, levels, max_tokens=args.max_tokens,
-                                                    requests=args.requests, timeout=args.timeout,
-                                                    out_dir=Path(args.out), argv_kw=kw,
-                                                    ready_timeout=args.ready_timeout, rounds=args.rounds, log=log)
+        _measure_peers(args, peers, prompts, levels, binary, results, log)
     out = write_outputs(results, args.out)
     sys.stdout.write(markdown(results).split("\n## Commands")[0] + f"\nwritten to {out}/\n")
     return 0
 
+
+def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int], binary: str | None, results: dict,
+                   log) -> None:
+    """--launch: each peer measured at every level (load_peers.measure_peer), into results["servers"]."""
+    from .load_peers import DEFAULT_CTX, measure_peer
+    from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
+    target = args.target or DEFAULT_TARGET
+    draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    flags = getattr(args, "serve_flags", [])
+    if "specdecode-p1" in peers and "--parallel" not in flags:
+        log("specdecode-p1: skipped (this `specdecode serve` has no --parallel: `specdecode` is already one "
+            "request at a time)")
+        peers = [p for p in peers if p != "specdecode-p1"]
+    results["config"].update(target=target, draft=draft, threads=threads, ctx_size=args.ctx_size,
+                             llama_server=binary, serve_parallel_flag="--parallel" in flags)
+    for name in peers:
+        extra = shlex.split(args.llama_args if name.startswith("llama-server") else
+                            args.llama_cpp_python_args if name == "llama-cpp-python" else args.ours_args)
+        kw = dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None,
+                  target=target, draft=draft, llama_server=binary, serve_flags=flags, extra=extra)
+        results["servers"][name] = measure_peer(name, prompts, levels, max_tokens=args.max_tokens,
+                                                requests=args.requests, timeout=args.timeout,
+                                                out_dir=Path(args.out), argv_kw=kw,
+                                                ready_timeout=args.ready_timeout, rounds=args.rounds, log=log)
