@@ -118,6 +118,7 @@ def test_llama_server_peer_command(tmp_path):
     flags = " ".join(plain)
     assert "-t 2 -tb 2 -np 4 -kvu -c 16384" in flags and "--host 127.0.0.1 --port 1234" in flags
     assert " ".join(peer_argv("llama-server-draft", **kw)).endswith(f"--spec-type draft-simple -md {draft} -td 2 -tbd 2")
+    assert " ".join(peer_argv("llama-server-ngram", **kw)).endswith("-np 4 -kvu -c 16384 --no-webui --spec-type ngram-mod")
     ours = peer_argv("specdecode", **kw)
     assert ours[1:4] == ["-m", "specdecode", "serve"] and "--parallel" not in ours and "--ctx-size" not in ours
     flags = ("--parallel", "--ctx-size")

@@ -75,6 +75,8 @@ def _bench_parser(sub) -> None:
     _lookup_args(b, history=True, history_default=0)
     b.add_argument("--all-turns", action="store_true", help="chat prompts with several turns: run every turn, "
                                                               "as one conversation per prompt")
+    b.add_argument("--llama-server", default=None, metavar="PATH", help="the llama-server binary of the "
+                   "llama-server peers (default: specdecode loadtest --build-llama-server's cached build, then PATH)")
     b.add_argument("--out", default="bench-out", help="directory for results.json, report.md, *.png")
 
 
@@ -246,12 +248,14 @@ def _tree_kwargs(args) -> dict:
 def bench(args) -> None:
     from .bench import (check_methods, default_methods, load_prompts, needs_draft_model, parse_methods, report,
                         run_bench, write_outputs)
+    from .bench.server_peer import check_server_peers
     from .engine import Engine
     from .methods import DEFAULT_METHOD, names_where
     methods = parse_methods(args.methods) if args.methods else None
     if args.limit is not None and args.limit <= 0:
         raise SpecDecodeError(f"--limit must be positive, got {args.limit}")
     prompts = load_prompts(args.prompts, args.limit, all_turns=args.all_turns)
+    check_server_peers(methods or [], args.llama_server, args.temperature)  # before any model loads
     tree = _tree_kwargs(args)
     # the Engine's own checks, before the models load (a bad value would otherwise stop the run minutes in)
     shaped = names_where(tree_options=True)  # the methods that take the tree's dimensions
@@ -268,7 +272,8 @@ def bench(args) -> None:
         methods = default_methods(engine)
     check_methods(engine, methods)
     results = run_bench(engine, prompts, methods, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, seed=args.seed, tree=tree)
+                        temperature=args.temperature, seed=args.seed, tree=tree, llama_server=args.llama_server,
+                        log_dir=f"{args.out}/logs")
     out = write_outputs(results, args.out)
     sys.stdout.write(report(results).split("\n## Per prompt")[0] + f"\nwritten to {out}/\n")
 

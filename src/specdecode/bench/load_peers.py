@@ -7,6 +7,7 @@ from another):
 - `llama-server`: llama.cpp's own server on the same GGUF, `-t/-tb THREADS -np c -kvu -c CTX*c`
   (c slots sharing one unified KV cache of CTX tokens per slot);
 - `llama-server-draft`: the same with the draft model, `--spec-type draft-simple -md DRAFT`;
+- `llama-server-ngram`: the same with llama.cpp's n-gram speculation, `--spec-type ngram-mod`;
 - `specdecode`: ours, `specdecode serve --target T [--draft D] --threads THREADS`, plus `--parallel c`
   where the server has that flag, and `--ctx-size CTX` where given and the server has it;
 - `specdecode-p1`: ours with `--parallel 1` (only where the server has that flag; without it
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 
-PEERS = ("llama-server", "llama-server-draft", "specdecode", "specdecode-p1", "llama-cpp-python")
+PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram", "specdecode", "specdecode-p1", "llama-cpp-python")
 DEFAULT_PEERS = ("llama-server", "llama-server-draft", "specdecode")
 DEFAULT_CTX = 4096  # llama-server's KV cells per slot
 HEALTH = {"llama-cpp-python": "/v1/models"}  # the path a peer answers 200 on once ready (default /health)
@@ -88,6 +89,10 @@ def peer_argv(name: str, *, port: int, slots: int, threads: int, ctx: int, targe
                 raise SpecDecodeError("peer llama-server-draft needs a draft model (--draft)")
             argv += ["--spec-type", "draft-simple", "-md", resolve_gguf(draft), "-td", str(threads),
                      "-tbd", str(threads)]
+        elif name == "llama-server-ngram":
+            argv += ["--spec-type", "ngram-mod"]
+        elif name != "llama-server":
+            raise SpecDecodeError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
         return argv + list(extra)
     if name in ("specdecode", "specdecode-p1"):
         argv = [sys.executable, "-m", "specdecode", "serve", "--target", target, "--host", "127.0.0.1",

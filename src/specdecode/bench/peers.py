@@ -1,5 +1,6 @@
 """Other tools' decoders, measured in the same bench run: llama-cpp-python's own generation (plain, and
-with its prompt lookup) and transformers' assisted generation with our draft model."""
+with its prompt lookup), transformers' assisted generation with our draft model, and llama.cpp's own
+llama-server (plain, with our draft model, with its n-gram speculation: server_peer.py)."""
 from __future__ import annotations
 
 import time
@@ -9,9 +10,11 @@ import torch
 from ..engine import METHODS, Engine
 from ..errors import SpecDecodeError
 from ..methods import METHOD_TABLE
+from .server_peer import SERVER_PEERS
 
-PEERS = ("hf-assisted", "llama.cpp", "llama.cpp-pld")  # other tools' decoders, measured in the same run
-DRAFT_PEERS = ("hf-assisted",)  # the peers that run our draft model
+# other tools' decoders, measured in the same run
+PEERS = ("hf-assisted", "llama.cpp", "llama.cpp-pld", *SERVER_PEERS)
+DRAFT_PEERS = ("hf-assisted", "llama-server-draft")  # the peers that run our draft model
 BENCH_METHODS = (*METHODS, *PEERS)
 
 

@@ -13,6 +13,7 @@ from ..engine import METHODS, Engine
 from ..errors import SpecDecodeError
 from ..methods import BASELINE, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
+from .server_peer import SERVER_PEERS, close_peers, make_server_peers
 from .summary import decode_rate, summarize
 
 
@@ -81,30 +82,33 @@ def check_methods(engine: Engine, methods: list[str]) -> None:
         raise SpecDecodeError(f"methods {' and '.join(required)} need a draft model (--draft)")
     if "hf-assisted" in methods and engine.target.hf_model is None:
         raise SpecDecodeError("the hf-assisted peer runs on the torch backend (--backend torch)")
-    if {"llama.cpp", "llama.cpp-pld"} & set(methods) and engine.target.gguf_path is None:
+    if {"llama.cpp", "llama.cpp-pld", *SERVER_PEERS} & set(methods) and engine.target.gguf_path is None:
         raise SpecDecodeError("the llama.cpp peers need the target on the llama.cpp backend (a GGUF model, "
                               "--backend llama.cpp or auto)")
+    if "llama-server-draft" in methods and getattr(engine.draft_model.lm, "gguf_path", None) is None:
+        raise SpecDecodeError("peer llama-server-draft needs the draft on the llama.cpp backend (a GGUF model)")
 
 
 def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = 4, max_new_tokens: int = 128,
-              temperature: float = 0.0, seed: int | None = 0, progress: bool = True, tree: dict | None = None) -> dict:
-    """tree: tree_width/tree_depth/tree_nodes for method tree (unset: chosen by its cost model)."""
-    greedy = temperature == 0
-    tree = tree or {}
+              temperature: float = 0.0, seed: int | None = 0, progress: bool = True, tree: dict | None = None,
+              llama_server: str | None = None, log_dir: str | Path = "bench-out/logs") -> dict:
+    """tree: tree_width/tree_depth/tree_nodes for method tree (unset: chosen by its cost model). llama_server:
+    the binary the llama-server peers launch (default: the cached build), its logs in log_dir."""
+    greedy, tree = temperature == 0, tree or {}
     costs = engine.tree_costs()  # the measured T(k)/T(1) curve and draft cost, shown next to the speed table
-    peers = {m: LlamaPeer(engine, pld=m == "llama.cpp-pld") for m in methods if m in ("llama.cpp", "llama.cpp-pld")}
+    peers = _make_peers(engine, methods, llama_server, log_dir)
     # with an engine history, every method remembers only its own earlier outputs (never the text another
     # method wrote for the same prompt), and the warm-up leaves none
     history = engine.history
     histories = {m: History(history.max_tokens) if history is not None else None for m in methods}
     engine.history = None
-    # warm-up (excluded): first calls pay for allocations and kernel selection
-    for m in methods:
-        _run_one(engine, {**prompts[0], "turns": None}, m, gamma, 8, temperature, seed, tree, peers)
     rows = []
     runs = sum(len(p.get("turns") or [0]) for p in prompts) * len(methods)
     bar = tqdm(total=runs, desc="bench", unit="run", disable=not progress)
     try:
+        # warm-up (excluded): first calls pay for allocations and kernel selection
+        for m in methods:
+            _run_one(engine, {**prompts[0], "turns": None}, m, gamma, 8, temperature, seed, tree, peers)
         for p in prompts:
             for m in methods:  # interleaved, prompt by prompt
                 engine.history = histories[m]
@@ -124,6 +128,7 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
                     bar.update(1)
     finally:
         engine.history = history
+        close_peers(peers)
     bar.close()
     return summarize(rows, methods, gamma=gamma, greedy=greedy,
                      config=dict(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -141,8 +146,22 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
                                  datastore=str(engine.datastore.path) if engine.datastore else None,
                                  datastore_tokens=len(engine.datastore) if engine.datastore else None,
                                  history_tokens=history.max_tokens if history is not None else 0,
+                                 server_peers={m: " ".join(p.argv) for m, p in peers.items() if hasattr(p, "argv")},
                                  draft_vocab=len(engine.draft_model.keep)
                                  if engine.draft_model is not None and engine.draft_model.keep is not None else None))
+
+
+def _make_peers(engine, methods: list[str], llama_server: str | None, log_dir) -> dict:
+    """The peers that hold a model: llama-server's launched first (a failure stops the run before the rest),
+    then llama-cpp-python's; the servers stopped again if anything fails here."""
+    peers = make_server_peers(engine, methods, llama_server, Path(log_dir))
+    try:
+        peers.update({m: LlamaPeer(engine, pld=m == "llama.cpp-pld") for m in methods
+                      if m in ("llama.cpp", "llama.cpp-pld")})
+    except BaseException:
+        close_peers(peers)
+        raise
+    return peers
 
 
 def cpu_description() -> str:
