@@ -118,6 +118,28 @@ def test_load_or_measure_times_long_contexts_and_refuses_an_old_format(monkeypat
     assert len(calls) == 2 * n
 
 
+def test_long_contexts_are_timed_only_within_the_budget(monkeypatch):
+    """On a slow machine (bf16 torch on an AVX2-only CPU: a pass of one token ~0.3 s) the long-context tables
+    would take many minutes; they are skipped, and the costs then do not depend on the context length."""
+    contexts = []
+
+    def fake(lm, sizes, context=costs_mod.CONTEXT, **kw):
+        contexts.append((lm.describe(), context))
+        return {n: lm.per_token * n for n in sizes}
+    monkeypatch.setattr(costs_mod, "measure", fake)
+    clock = [0.0]
+    target, draft = _TimedLM(lambda n: n, clock, max_length=8192), _TimedLM(lambda n: n, clock, max_length=8192)
+    target.per_token, draft.per_token = 0.03, 0.01  # 1024 tokens read in ~31 s, 2048 in ~61 s: only 1024 fits
+    costs = load_or_measure(target, draft, progress=False)
+    assert sorted(costs.target_at) == [1024] and sorted(costs.draft_at) == [1024]
+    target.per_token = draft.per_token = 0.3
+    target.describe = draft.describe = lambda: "slow-lm"  # another machine key: measured afresh
+    slow = load_or_measure(target, draft, progress=False)
+    assert slow.target_at == {} and slow.draft_at == {} and slow.t(1, 2048) == slow.t(1) == pytest.approx(0.3)
+    assert all(c == costs_mod.CONTEXT for name, c in contexts if name == "slow-lm")
+    assert costs_mod.within_budget({}, [1024], [1], 90.0) == []
+
+
 # ============================================================= 2. the planner and the pass sizes
 
 GROUPS_OF_4 = CostModel({1: 1.0, 2: 1.5, 3: 1.9, 4: 1.6, 5: 2.4, 8: 3.0})

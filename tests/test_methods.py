@@ -80,8 +80,10 @@ def test_bench_methods_come_from_the_table(tiny_engine):
     assert bench.default_methods(tiny_engine) == ["autoregressive", "auto", "pld", "draft", "hf-assisted"]
     no_draft = Engine(tiny_engine.target, tiny_engine.tokenizer)
     assert bench.default_methods(no_draft) == ["autoregressive", "auto", "pld"]
-    with pytest.raises(SpecDecodeError, match="methods draft and hf-assisted need a draft model"):
+    with pytest.raises(SpecDecodeError, match="method draft needs a draft model"):
         bench.check_methods(no_draft, ["autoregressive", "draft"])
+    with pytest.raises(SpecDecodeError, match="methods draft and hf-assisted need a draft model"):
+        bench.check_methods(no_draft, ["hf-assisted", "draft"])
     assert bench.needs_draft_model(["autoregressive", "tree"]) and bench.needs_draft_model(["hf-assisted"])
     assert not bench.needs_draft_model(["autoregressive", "pld", "lookup"])
     assert bench.parse_methods("pld") == ["autoregressive", "pld"]

@@ -64,6 +64,15 @@ def test_no_module_over_400_lines():
         assert n <= 400, f"{path.relative_to(SRC)} has {n} lines; split it (issue 20)"
 
 
+def test_no_function_over_60_lines():
+    long = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, "split these functions (issue 20): " + "; ".join(long)
+
+
 def test_drafters_implement_the_drafter_protocol():
     draft = DraftModel(tiny_model(1), 257)
     for d in (draft, PromptLookup(), TreeDrafter(draft), TreeDrafter(None)):

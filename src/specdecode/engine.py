@@ -37,24 +37,7 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
     tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
     still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are
     bit-identical to plain decoding's (exactness.py)."""
-    if len(prompt_ids) >= target.max_length:
-        raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
-                              f"{target.max_length}, so no token can be generated")
-    target.reset()
-    target.reserve(len(prompt_ids) + max_new_tokens)
-    if drafter is not None:
-        drafter.reset()
-    ids = list(prompt_ids)
-    t = time.perf_counter()
-    head: list[int] = []  # exact: the first token from a prefill of the whole prompt, as plain decoding gets it
-    if exact is not None:
-        head = [int(target.forward(ids, last_only=True)[-1].argmax())]
-        ids += head
-    elif len(ids) > 1:  # prefill; ids[-1] goes into the first target pass with the first draft
-        target.forward(ids[:-1], last_only=True)
-    if drafter is not None and len(ids) > 1:
-        drafter.prefill(ids[:-1])
-    stats.prefill_s += time.perf_counter() - t
+    ids, head = _prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None)
     emitted = len(head)
     if head:
         stats.record(Draft([], None), 0, 1)
@@ -100,6 +83,29 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
         yield new
         if stats.finish_reason:
             return
+
+
+def _prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_tokens: int, stats: Stats,
+             exact: bool) -> tuple[list[int], list[int]]:
+    """Both caches emptied, then given the prompt but its last token (it goes into the first target pass). Exact
+    mode reads it all and returns (ids, head), head its first token as plain decoding gets it; else head = []."""
+    if len(prompt_ids) >= target.max_length:
+        raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
+                              f"{target.max_length}, so no token can be generated")
+    target.reset()
+    target.reserve(len(prompt_ids) + max_new_tokens)
+    if drafter is not None:
+        drafter.reset()
+    ids, head, t = list(prompt_ids), [], time.perf_counter()
+    if exact:
+        head = [int(target.forward(ids, last_only=True)[-1].argmax())]
+        ids += head
+    elif len(ids) > 1:
+        target.forward(ids[:-1], last_only=True)
+    if drafter is not None and len(ids) > 1:
+        drafter.prefill(ids[:-1])
+    stats.prefill_s += time.perf_counter() - t
+    return ids, head
 
 
 class Engine:
@@ -389,8 +395,5 @@ class Engine:
 
     def _tree_error(self, draft_model) -> str | None:
         """Why the target or this draft model cannot run token trees (None: both can)."""
-        for lm in (self.target, draft_model.lm if draft_model is not None else None):
-            error = lm.tree_error() if lm is not None else None
-            if error:
-                return error
-        return None
+        lms = (self.target, draft_model.lm if draft_model is not None else None)
+        return next((e for e in (lm.tree_error() for lm in lms if lm is not None) if e), None)

@@ -78,8 +78,10 @@ def needs_draft_model(methods: list[str]) -> bool:
 
 def check_methods(engine: Engine, methods: list[str]) -> None:
     required = [m for m in METHODS if METHOD_TABLE[m].needs_draft_model == REQUIRED] + list(DRAFT_PEERS)
-    if engine.draft_model is None and set(required) & set(methods):
-        raise SpecDecodeError(f"methods {' and '.join(required)} need a draft model (--draft)")
+    asked = [m for m in required if m in methods]
+    if engine.draft_model is None and asked:
+        raise SpecDecodeError(f"{'methods' if len(asked) > 1 else 'method'} {' and '.join(asked)} "
+                              f"need{'' if len(asked) > 1 else 's'} a draft model (--draft)")
     if "hf-assisted" in methods and engine.target.hf_model is None:
         raise SpecDecodeError("the hf-assisted peer runs on the torch backend (--backend torch)")
     if {"llama.cpp", "llama.cpp-pld", *SERVER_PEERS} & set(methods) and engine.target.gguf_path is None:

@@ -24,6 +24,10 @@ CONTEXT = 128  # tokens already cached when timing the base table: a typical sho
 LONG_CONTEXTS = (1024, 2048)  # also timed where the model's context holds them: attention grows with the text
 LONG_SIZES = 16  # at the long contexts, passes up to this many tokens (past it: the base table's shape)
 FORMAT = 2  # the cache file's format: tables at several contexts, measured as they are (not made monotone)
+# the long-context tables are timed only while their estimated time (reading the context, then the passes) fits
+# this budget: on a slow machine (bf16 torch on an AVX2-only CPU: minutes per table) the first run stays short,
+# and the costs there do not depend on the context length
+LONG_BUDGET_S = 90.0
 
 
 @dataclass
@@ -148,6 +152,22 @@ def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0, co
     return dict(sorted(best.items()))
 
 
+def within_budget(table: dict[int, float], contexts: list[int], sizes: list[int], budget: float) -> list[int]:
+    """The first of these contexts whose tables should take no more than `budget` seconds to time, estimated
+    from the base table: reading the context (at the per-token cost of the biggest measured pass), then 3
+    rounds of the passes."""
+    if not table:
+        return []
+    big = max(table)
+    kept, spent = [], 0.0
+    for c in contexts:
+        spent += c * table[big] / big + 3 * sum(_interpolate(table, n) for n in sizes)
+        if spent > budget:
+            break
+        kept.append(c)
+    return kept
+
+
 def machine_key(*lms) -> str:
     parts = [platform.machine(), platform.processor(), _cpu_name()] + [lm.describe() for lm in lms]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -179,10 +199,14 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
     total = 3 * (len(sizes) + len(dsizes) + len(longs) * len(lsizes) + len(dlongs) * len(dsizes))
     with tqdm(total=total, desc="measuring pass costs (once per machine)", disable=not progress, leave=False) as bar:
         target = measure(target_lm, sizes, progress=bar)
-        target_at = {c: measure(target_lm, lsizes, progress=bar, context=c) for c in longs}
         draft = draft_at = {}
         if dsizes:  # the draft's big pass (catching up) is timed whatever its cost
             draft = measure(draft_lm, dsizes, progress=bar, stop_at=float("inf"))
+        longs, dlongs = within_budget(target, longs, lsizes, LONG_BUDGET_S), within_budget(draft, dlongs, dsizes,
+                                                                                           LONG_BUDGET_S / 2)
+        bar.total = 3 * (len(target) + len(draft) + len(longs) * len(lsizes) + len(dlongs) * len(dsizes))
+        target_at = {c: measure(target_lm, lsizes, progress=bar, context=c) for c in longs}
+        if dsizes:
             draft_at = {c: measure(draft_lm, dsizes, progress=bar, stop_at=float("inf"), context=c) for c in dlongs}
         costs = CostModel(target, draft, target_at, draft_at)
     write_json(path, {"format": FORMAT, "target": costs.target, "draft": costs.draft,

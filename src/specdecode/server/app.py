@@ -175,6 +175,24 @@ async def _crash(request, exc: Exception):
     return error_response(APIError(500, "internal server error", type="server_error", code="internal_error"))
 
 
+def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s, keepalive_s, api_key) -> None:
+    """create_app's arguments, checked before anything starts (a clear SpecDecodeError for each)."""
+    from ..engine import Engine
+    Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
+    if METHOD_TABLE[method].needs_draft_model == REQUIRED and engine.draft_model is None:
+        raise SpecDecodeError(f"method {method!r} needs a draft model (--draft); or use --method pld / autoregressive")
+    if gamma > p.MAX_GAMMA:
+        raise SpecDecodeError(f"gamma must be an integer in 1..{p.MAX_GAMMA} (this server's limit), got {gamma!r}")
+    for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
+    for name, value in (("timeout", timeout_s), ("keepalive_s", keepalive_s)):
+        if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+            raise SpecDecodeError(f"{name} must be a positive number of seconds, got {value!r}")
+    if api_key is not None and not api_key:
+        raise SpecDecodeError("the API key must not be empty")
+
+
 def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, api_key: str | None = None,
                max_queue: int = 16, timeout_s: float = 300, max_tokens_cap: int | None = None,
                keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES,
@@ -192,21 +210,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     slots: a slots.Slots on `engine`: its generations run at once, one per slot, sharing their passes (requests
     are still opened, checked and tokenized on `engine`).
     """
-    from ..engine import Engine
-    Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
-    if METHOD_TABLE[method].needs_draft_model == REQUIRED and engine.draft_model is None:
-        raise SpecDecodeError(f"method {method!r} needs a draft model (--draft); or use --method pld / autoregressive")
-    if gamma > p.MAX_GAMMA:
-        raise SpecDecodeError(f"gamma must be an integer in 1..{p.MAX_GAMMA} (this server's limit), got {gamma!r}")
-    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-        raise SpecDecodeError(f"max_queue must be a positive integer, got {max_queue!r}")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise SpecDecodeError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
-    for name, value in (("timeout", timeout_s), ("keepalive_s", keepalive_s)):
-        if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-            raise SpecDecodeError(f"{name} must be a positive number of seconds, got {value!r}")
-    if api_key is not None and not api_key:
-        raise SpecDecodeError("the API key must not be empty")
+    _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s, keepalive_s, api_key)
     context = engine.target.max_length if slots is None else slots.engines[0].target.max_length
     cap = context if max_tokens_cap is None else max(1, min(int(max_tokens_cap), context))
     metrics = Metrics(model_id, method, gamma)
