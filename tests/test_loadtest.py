@@ -210,13 +210,16 @@ def test_loadtest_command_launches_our_server(tiny_dirs, tmp_path, capsys):
 
 
 def test_rss_of_a_process_tree_and_the_sampler():
-    """rss_bytes counts a process's children (psutil and /proc agree); the sampler keeps before, peak, after."""
+    """rss_bytes counts a process's children; the sampler keeps before, peak, after."""
     import os
     import signal
     import subprocess
     import sys
     import time
-    from specdecode.bench.procmem import MemorySampler, _proc_rss, rss_bytes, rss_bytes_proc
+
+    import psutil
+    from specdecode.bench.procmem import MemorySampler, rss_bytes
+    _proc_rss = lambda pid: psutil.Process(pid).memory_info().rss  # noqa: E731  (the process alone)
     child = "x = b'x' * (96 << 20); import time; time.sleep(60)"  # 96 MiB touched: resident
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                                f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"],
@@ -227,11 +230,10 @@ def test_rss_of_a_process_tree_and_the_sampler():
             time.sleep(0.1)
         total, own = rss_bytes(parent.pid), _proc_rss(parent.pid)
         assert total - own >= 96 << 20, (total, own)
-        assert abs(rss_bytes_proc(parent.pid) - total) < 16 << 20
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait()
-    assert rss_bytes(parent.pid) is None and rss_bytes_proc(parent.pid) is None  # gone
+    assert rss_bytes(parent.pid) is None  # gone
     values = iter([100 << 20, 300 << 20, 200 << 20] + [150 << 20] * 1000)
     with MemorySampler(1, interval=0.01, read=lambda pid: next(values)) as mem:
         time.sleep(0.1)

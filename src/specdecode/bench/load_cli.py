@@ -118,6 +118,9 @@ def loadtest(args) -> int:
     from .run import cpu_description
     if importlib.util.find_spec("httpx") is None:
         raise SpecDecodeError('`specdecode loadtest` needs httpx, which is not installed: pip install httpx')
+    if args.launch and importlib.util.find_spec("psutil") is None:  # the launched servers' memory (procmem)
+        raise SpecDecodeError('`specdecode loadtest --launch` needs psutil, which is not installed: '
+                              'pip install "specdecode[bench]" (from a checkout: pip install -e ".[bench]")')
     servers, peers = _servers(args.server), _peers(args.launch)
     levels = _levels(args.concurrency)
     if args.max_tokens <= 0 or args.rounds <= 0 or (args.limit is not None and args.limit <= 0) or (

@@ -2,62 +2,19 @@
 
 `rss_bytes(pid)`: the resident set size (VmRSS) of a process plus every process below it (a server that
 forks workers is measured whole; pages shared between them count once per process, as `ps` would sum
-them). psutil where it is installed, else /proc (Linux). `MemorySampler`: a thread that samples it every
+them), read with psutil (the `bench` extra). `MemorySampler`: a thread that samples it every
 `interval` seconds while the load runs; `result()` gives the RSS before, the peak and the RSS after, in MiB.
 """
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
 
 MIB = 1024 * 1024
 
 
-def _proc_rss(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024  # kB
-        return 0  # a zombie has no VmRSS line
-    except (OSError, ValueError):
-        return None
-
-
-def _proc_descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from each /proc/N/stat's parent id."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def rss_bytes_proc(pid: int) -> int | None:
-    """rss_bytes from /proc alone (Linux); None where `pid` is gone."""
-    own = _proc_rss(pid)
-    if own is None:
-        return None
-    return own + sum(_proc_rss(p) or 0 for p in _proc_descendants(pid))
-
-
 def rss_bytes(pid: int) -> int | None:
     """The RSS of `pid` and all its descendants, in bytes; None where `pid` is gone (or cannot be read)."""
-    try:
-        import psutil
-    except ImportError:
-        return rss_bytes_proc(pid)
+    import psutil
     try:
         proc = psutil.Process(pid)
         total = proc.memory_info().rss
