@@ -300,14 +300,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(args) -> None:
-    """`specdecode serve`: load the models, then run uvicorn until interrupted."""
+def check_serve_args(args) -> str | None:
+    """The server's own command-line settings (`serve`, `serve --ray`), checked before any model loads; returns
+    the API key in force (--api-key, else $SPECDECODE_API_KEY, else None)."""
     import os
-    import sys
-
-    from ..engine import Engine
-    from ..backends import DEFAULT_TARGET
-    # the server's own settings, checked before a model load that can take a minute
     if not 0 <= args.port <= 65535:
         raise SpecDecodeError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
@@ -315,10 +311,10 @@ def serve(args) -> None:
     if not args.timeout > 0 or math.isinf(args.timeout):
         raise SpecDecodeError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2),
-                               ("--parallel", args.parallel, 1)):
+                               ("--parallel", getattr(args, "parallel", 1), 1)):
         if value is not None and value < least:
             raise SpecDecodeError(f"{flag} must be at least {least}, got {value}")
-    if args.parallel > 1 and args.exact:
+    if getattr(args, "parallel", 1) > 1 and args.exact:
         raise SpecDecodeError("--exact serves one request at a time: with --parallel, llama.cpp places the cache cells of "
                               "several generations itself, so attention may sum in another order than alone")
     if not 1 <= args.gamma <= p.MAX_GAMMA:
@@ -326,9 +322,18 @@ def serve(args) -> None:
     if get_method(args.method).needs_draft_model == REQUIRED and args.target is not None and args.draft is None:
         raise SpecDecodeError(f"method {args.method!r} needs a draft model (--draft); or use --method pld / "
                               "autoregressive")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
     if args.api_key is not None and not args.api_key:
         raise SpecDecodeError("--api-key must not be empty")
+    return args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
+
+
+def serve(args) -> None:
+    """`specdecode serve`: load the models, then run uvicorn until interrupted."""
+    import sys
+
+    from ..engine import Engine
+    from ..backends import DEFAULT_TARGET
+    api_key = check_serve_args(args)  # before a model load that can take a minute
     model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=wants_draft_model([args.method]) or args.draft is not None,

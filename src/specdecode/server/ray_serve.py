@@ -250,23 +250,10 @@ def _interrupt(signum, frame):
 
 def serve_ray(args) -> None:
     """`specdecode serve --ray`: the replicas on Ray Serve, until interrupted."""
-    from ..methods import REQUIRED, get_method
-    from . import protocol as p
-    if not 0 <= args.port <= 65535:
-        raise SpecDecodeError(f"--port must be in 0..65535, got {args.port}")
-    if not 1 <= args.gamma <= p.MAX_GAMMA:
-        raise SpecDecodeError(f"--gamma must be in 1..{p.MAX_GAMMA} (this server's limit), got {args.gamma}")
-    if get_method(args.method).needs_draft_model == REQUIRED and args.target is not None and args.draft is None:
-        raise SpecDecodeError(f"method {args.method!r} needs a draft model (--draft); or use --method pld / "
-                              "autoregressive")
-    if args.max_queue < 1 or not args.timeout > 0:
-        raise SpecDecodeError("--max-queue and --timeout must be positive")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
-    if args.api_key is not None and not args.api_key:
-        raise SpecDecodeError("--api-key must not be empty")
-    for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2)):
-        if value is not None and value < least:
-            raise SpecDecodeError(f"{flag} must be at least {least}, got {value}")
+    from .app import check_serve_args
+    api_key = check_serve_args(args)  # the same settings as `serve`'s, before Ray starts
+    if getattr(args, "parallel", 1) > 1:
+        raise SpecDecodeError("--parallel is not available inside Ray replicas yet: scale with --replicas or --autoscale")
     autoscale = parse_autoscale(args.autoscale) if args.autoscale else None
     most = autoscale[1] if autoscale else (args.replicas or 1)
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // most)
