@@ -34,7 +34,7 @@ from ..errors import SpecDecodeError
 
 PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram", "specdecode", "specdecode-p1", "llama-cpp-python")
 DEFAULT_PEERS = ("llama-server", "llama-server-draft", "specdecode")
-DEFAULT_CTX = 4096  # llama-server's KV cells per slot
+DEFAULT_CTX = 4096  # llama-server's KV cells per slot; the context of the single-stream bench peers too
 HEALTH = {"llama-cpp-python": "/v1/models"}  # the path a peer answers 200 on once ready (default /health)
 REQUEST_EXTRA = {"llama-cpp-python": {"repeat_penalty": 1.0}}  # request fields a peer needs to decode greedily
 # what `python -m llama_cpp.server` imports beyond llama-cpp-python's own dependencies (its `server` extra)

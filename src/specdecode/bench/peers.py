@@ -30,9 +30,10 @@ class LlamaPeer:
     def __init__(self, engine: Engine, pld: bool):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        from .load_peers import DEFAULT_CTX
         lm = engine.target
         self.eos = engine.eos_ids
-        self.llm = Llama(model_path=str(lm.gguf_path), n_ctx=min(lm.max_length, 4096), n_threads=lm.threads,
+        self.llm = Llama(model_path=str(lm.gguf_path), n_ctx=min(lm.max_length, DEFAULT_CTX), n_threads=lm.threads,
                          n_threads_batch=lm.threads, n_gpu_layers=0, verbose=False,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if pld else None)
 

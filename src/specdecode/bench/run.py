@@ -87,7 +87,7 @@ def check_methods(engine: Engine, methods: list[str]) -> None:
     if {"llama.cpp", "llama.cpp-pld", *SERVER_PEERS} & set(methods) and engine.target.gguf_path is None:
         raise SpecDecodeError("the llama.cpp peers need the target on the llama.cpp backend (a GGUF model, "
                               "--backend llama.cpp or auto)")
-    if "llama-server-draft" in methods and getattr(engine.draft_model.lm, "gguf_path", None) is None:
+    if "llama-server-draft" in methods and engine.draft_model.lm.gguf_path is None:
         raise SpecDecodeError("peer llama-server-draft needs the draft on the llama.cpp backend (a GGUF model)")
 
 

@@ -25,14 +25,14 @@ SERVER_PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram")
 def server_binary(path: str | None = None) -> str:
     """`path`, else the cached build of llama-server (then PATH); a clear error where there is none."""
     from .llama_server import find_binary
-    found = path or (str(find_binary("llama-server")) if find_binary("llama-server") else None)
+    found = path or find_binary("llama-server")
     if found is None:
         raise SpecDecodeError("the llama-server peers need llama.cpp's llama-server, which is not built: "
                               "specdecode loadtest --build-llama-server (about 11 min on 2 cores), "
                               "or pass --llama-server PATH")
     if not Path(found).is_file():
         raise SpecDecodeError(f"--llama-server: no such file: {found}")
-    return found
+    return str(found)
 
 
 def check_server_peers(methods: list[str], binary: str | None, temperature: float) -> None:
@@ -49,16 +49,16 @@ class LlamaServerPeer:
 
     def __init__(self, name: str, engine, binary: str, log_dir: Path, ctx: int | None = None,
                  ready_timeout: float = 300.0):
-        from .load_peers import Launched, free_port, peer_argv
+        from .load_peers import DEFAULT_CTX, Launched, free_port, peer_argv
         lm = engine.target
         if lm.gguf_path is None:
             raise SpecDecodeError(f"peer {name} needs the target on the llama.cpp backend (a GGUF model)")
         draft = None
         if name == "llama-server-draft":
-            draft = getattr(engine.draft_model.lm, "gguf_path", None) if engine.draft_model else None
+            draft = engine.draft_model.lm.gguf_path if engine.draft_model else None
             if draft is None:
                 raise SpecDecodeError("peer llama-server-draft needs a GGUF draft model on the llama.cpp backend")
-        self.ctx = ctx or min(lm.max_length, 4096)  # as peers.LlamaPeer's n_ctx
+        self.ctx = ctx or min(lm.max_length, DEFAULT_CTX)  # as peers.LlamaPeer's n_ctx
         port = free_port()
         self.argv = peer_argv(name, port=port, slots=1, threads=lm.threads, ctx=self.ctx, target=str(lm.gguf_path),
                               draft=str(draft) if draft else None, llama_server=binary)
