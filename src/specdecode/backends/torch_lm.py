@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ..errors import SpecDecodeError
 from .base import LM
@@ -79,7 +80,11 @@ class CachedLM(LM):
             torch.cuda.synchronize()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        cache = getattr(self, "cache", None)
+        if cache is not None and all(type(layer) is DynamicLayer for layer in cache.layers):
+            cache.reset()  # full-attention layers only: emptied in place (a new DynamicCache reads the whole config)
+        else:
+            self.cache = DynamicCache(config=self.model.config)
         if not getattr(self.cache, "is_croppable", True):
             raise SpecDecodeError(f"{type(self.model).__name__} keeps a cache that cannot be rolled back "
                                   "(linear/recurrent attention); speculative decoding needs one that can")
