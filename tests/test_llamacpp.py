@@ -929,3 +929,38 @@ def test_tree_shapes_are_checked_against_the_cache_before_the_request_starts(fil
     out = engine.generate("abc", method="tree", tree_width=16, tree_depth=4, temperature=1.0, seed=0,
                           max_new_tokens=12)  # sampled: every drawn node is verified, 16 + 3 x 256 of them uncut
     assert out.stats.tree["nodes"] == 255 and out.stats.new_tokens > 0
+
+
+def _claims_amx(monkeypatch, probe: str):
+    """A build that reports AMX_INT8 (as a native build on a CPU with AMX does), a file with weights of a type
+    AMX takes, and the child's check replaced by `probe` (plain Python: no model is loaded)."""
+    import specdecode.backends.llamacpp as L
+    monkeypatch.setattr(L, "_system_info", lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |")
+    monkeypatch.setattr(L, "_amx_weight_types", lambda path: {"Q4_K"})
+    monkeypatch.setattr(L, "AMX_PROBE", probe)
+    monkeypatch.setattr(L, "_amx_usable", {})
+    return L
+
+
+def test_amx_kernels_that_crash_turn_the_extra_buffers_off(files, monkeypatch, capfd):
+    """GCC 12 builds of llama.cpp's AMX kernels die of a general protection fault on the first batched matmul:
+    a child that dies of a signal marks the build unusable for that file, the model loads without extra
+    (repacked, AMX) buffers, the user is told how to rebuild, and the verdict is cached (no second child)."""
+    L = _claims_amx(monkeypatch, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    lm = LlamaLM(files.target, threads=THREADS)
+    assert lm.repack is False
+    assert "-mno-amx-int8" in capfd.readouterr().err
+    lm.forward([1, 2, 3])
+    monkeypatch.setattr(L, "_amx_usable", {})  # a new process: the cached record answers
+    monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: pytest.fail("the verdict was not cached"))
+    assert L.amx_usable(files.target) is False
+
+
+def test_amx_kernels_that_run_keep_the_repacked_weights(files, monkeypatch):
+    """The negative control: a child that passes leaves repacking on; a build without AMX_INT8 starts no child."""
+    L = _claims_amx(monkeypatch, "pass")
+    assert LlamaLM(files.target, threads=THREADS).repack is True
+    monkeypatch.setattr(L, "_amx_usable", {})
+    monkeypatch.setattr(L, "_system_info", lambda: b"CPU : AVX2 = 1 | REPACK = 1 |")
+    monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: pytest.fail("a child for a build without AMX"))
+    assert L.amx_usable(files.draft) is True

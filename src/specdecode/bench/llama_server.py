@@ -14,6 +14,7 @@ About 11 minutes on 2 cores. `find_binary("llama-server")` finds it there afterw
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,10 @@ TARGETS = ("llama-server", "llama-batched-bench")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF")
+if platform.machine() in ("x86_64", "AMD64"):
+    # as the README builds llama-cpp-python: without llama.cpp's AMX kernels, which GCC 12 miscompiles (a crash
+    # on the first batched matmul on a CPU with AMX; see backends/llamacpp.amx_usable)
+    CMAKE_FLAGS += ("-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8")
 
 
 def llama_cpp_version() -> str:

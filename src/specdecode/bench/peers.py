@@ -4,6 +4,7 @@ llama-server (plain, with our draft model, with its n-gram speculation: server_p
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -23,6 +24,25 @@ def _is(m: str, need: str) -> bool:
     return m in METHOD_TABLE and bool(getattr(METHOD_TABLE[m], need))
 
 
+@contextmanager
+def _extra_buffers(on: bool):
+    """llama-cpp-python's Llama has no setting for llama.cpp's extra (repacked, AMX) weight buffers: while
+    `on` is False, the default model parameters it starts from have them off."""
+    import llama_cpp.llama_cpp as c
+    default = c.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    if not on:
+        c.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        c.llama_model_default_params = default
+
+
 class LlamaPeer:
     """llama-cpp-python's own high-level greedy generation on the same GGUF file and thread count
     (with its LlamaPromptLookupDecoding for llama.cpp-pld): what a user would run instead of us."""
@@ -33,9 +53,10 @@ class LlamaPeer:
         from .load_peers import DEFAULT_CTX
         lm = engine.target
         self.eos = engine.eos_ids
-        self.llm = Llama(model_path=str(lm.gguf_path), n_ctx=min(lm.max_length, DEFAULT_CTX), n_threads=lm.threads,
-                         n_threads_batch=lm.threads, n_gpu_layers=0, verbose=False,
-                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if pld else None)
+        with _extra_buffers(lm.repack):  # as our target runs: off where this build's AMX kernels crash
+            self.llm = Llama(model_path=str(lm.gguf_path), n_ctx=min(lm.max_length, DEFAULT_CTX), n_threads=lm.threads,
+                             n_threads_batch=lm.threads, n_gpu_layers=0, verbose=False,
+                             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if pld else None)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed) -> dict:
         if temperature != 0:
