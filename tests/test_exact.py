@@ -159,3 +159,21 @@ def test_draft_prefix():
     assert tree.prefix(3, chain=True).tokens == [1] and tree.prefix(3, chain=True).parents is None
     deep = Draft([1, 2, 3], None, parents=[-1, 0, 1])
     assert deep.prefix(9, chain=True).tokens == [1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_equals_transformers_generate(dtype):
+    """An independent reference for every greedy guarantee on torch: transformers' own `generate`
+    (do_sample=False, its own cache) on the same model. Exact mode equals it token for token for every method
+    in fp32 and bf16 (where a k-token pass rounds differently from a 1-token one); our plain decoding always."""
+    tok = byte_tokenizer()
+    target, draft = tiny_model(0).to(dtype), tiny_model(1).to(dtype)
+    engine = Engine(target, tok, draft, tok, exact=True)
+    for prompt in [*PROMPTS, "hello world, this is a longer prompt"]:  # the last two left plain decoding in
+        ids = engine.encode(prompt)                                    # bf16 when 3-token passes were measured
+        hf = target.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=False, pad_token_id=256,  # exact
+                             eos_token_id=256)[0, len(ids):].tolist()                     # after 48 tokens only
+        hf = hf[:hf.index(256) + 1] if 256 in hf else hf
+        for m in ["autoregressive", *METHODS]:
+            ours = engine.generate(prompt, method=m, max_new_tokens=80).token_ids
+            assert ours == hf, (m, dtype)
