@@ -934,8 +934,8 @@ def test_tree_shapes_are_checked_against_the_cache_before_the_request_starts(fil
 def _claims_amx(monkeypatch, probe: str):
     """A build that reports AMX_INT8 (as a native build on a CPU with AMX does), a file with weights of a type
     AMX takes, and the child's check replaced by `probe` (plain Python: no model is loaded)."""
-    import specdecode.backends.llamacpp as L
-    monkeypatch.setattr(L, "_system_info", lambda: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |")
+    import specdecode.backends.amx as L
+    monkeypatch.setattr(L, "_system_info", lambda lc: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |")
     monkeypatch.setattr(L, "_amx_weight_types", lambda path: {"Q4_K"})
     monkeypatch.setattr(L, "AMX_PROBE", probe)
     monkeypatch.setattr(L, "_amx_usable", {})
@@ -953,7 +953,7 @@ def test_amx_kernels_that_crash_turn_the_extra_buffers_off(files, monkeypatch, c
     lm.forward([1, 2, 3])
     monkeypatch.setattr(L, "_amx_usable", {})  # a new process: the cached record answers
     monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: pytest.fail("the verdict was not cached"))
-    assert L.amx_usable(files.target) is False
+    assert L.amx_usable(files.target, llama_cpp) is False
 
 
 def test_amx_kernels_that_run_keep_the_repacked_weights(files, monkeypatch):
@@ -961,6 +961,6 @@ def test_amx_kernels_that_run_keep_the_repacked_weights(files, monkeypatch):
     L = _claims_amx(monkeypatch, "pass")
     assert LlamaLM(files.target, threads=THREADS).repack is True
     monkeypatch.setattr(L, "_amx_usable", {})
-    monkeypatch.setattr(L, "_system_info", lambda: b"CPU : AVX2 = 1 | REPACK = 1 |")
+    monkeypatch.setattr(L, "_system_info", lambda lc: b"CPU : AVX2 = 1 | REPACK = 1 |")
     monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: pytest.fail("a child for a build without AMX"))
-    assert L.amx_usable(files.draft) is True
+    assert L.amx_usable(files.draft, llama_cpp) is True

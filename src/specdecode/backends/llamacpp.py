@@ -18,17 +18,14 @@ every cell that holds its FIRST sequence id, at a position <= its own. So:
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
+from .amx import amx_usable
 from .base import LM
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree pass holds at most 255 nodes
@@ -40,9 +37,8 @@ PARK = MAX_SEQ - 1  # exact mode: the sequence id that holds parked cells (seen 
 # cell count, so a 33k-cell context made each decode step at 1,400 tokens ~15% slower than a 4k one
 # (measured on an AMD EPYC Zen 4, 2 vCPUs; llama-cpp-python's Llama uses 4,096 by default too).
 FIRST_CTX = 4096
-_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-               11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-               17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
 
 
 def available() -> bool:
@@ -80,67 +76,6 @@ def _silent_log(level, text, user_data):
 _SILENT = None  # llama_cpp is imported on first use only: a torch-only run never loads llama.cpp's libraries
 
 
-# ggml types with AMX kernels (ggml-cpu/amx: qtype_has_amx_kernels, and F16)
-AMX_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "F16"})
-# The child's check: the file's weights in AMX buffers (repack on), one batched pass and one 1-token pass.
-AMX_PROBE = ("import os, sys; os.environ['SPECDECODE_AMX_PROBE'] = '1'; "
-             "from specdecode.backends.llamacpp import LlamaLM; "
-             "lm = LlamaLM(sys.argv[1], n_ctx=64, repack=True); lm.forward(list(range(1, 17))); lm.forward([1])")
-AMX_FIX = ('CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" '
-           'pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python==0.3.36')
-_amx_usable: dict[str, bool] = {}
-
-
-def _system_info() -> bytes:
-    return _lib().llama_print_system_info() or b""
-
-
-def _amx_weight_types(path: Path) -> set[str]:
-    """The file's tensor types that llama.cpp would put in AMX buffers."""
-    import gguf
-    return {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors} & AMX_TYPES
-
-
-def amx_usable(path: str | Path) -> bool:
-    """Whether this llama.cpp build's AMX kernels run here on the file's weights. A build with AMX_INT8 (made
-    on a CPU that has AMX) puts such weights in AMX buffers whenever repacking is on; compiled by GCC 12, the
-    first batched matmul there dies of a general protection fault (its `_tile_loadconfig` declares an 8-byte
-    operand, so the stores of the tile shapes before it are dropped as dead and `ldtilecfg` reads stack
-    garbage; seen on a 2-vCPU Intel Xeon with AMX, llama-cpp-python 0.3.36, Debian's GCC 12.2). Checked once
-    per library build, CPU and file, in a child process (where a crash costs nothing), and cached."""
-    path = Path(path)
-    if os.environ.get("SPECDECODE_AMX_PROBE") or b"AMX_INT8 = 1" not in _system_info():
-        return True
-    from ..machine import cache_dir, cpu_name, write_json
-    import llama_cpp
-    lib = Path(llama_cpp.__file__).parent / "lib"
-    st = path.stat()
-    parts = [cpu_name(), str(path.resolve()), str(st.st_size), str(st.st_mtime_ns)]
-    parts += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(lib.glob("libggml-cpu*"))]
-    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-    if key in _amx_usable:
-        return _amx_usable[key]
-    record = cache_dir() / "costs" / f"amx-{key}.json"
-    try:
-        usable = bool(json.loads(record.read_text())["usable"])
-    except (OSError, ValueError, KeyError, TypeError):
-        if not _amx_weight_types(path):
-            usable = True  # nothing of this file goes to AMX buffers (F32 weights, say)
-        else:
-            sys.stderr.write("specdecode: checking that llama.cpp's AMX kernels run on this CPU (once)\n")
-            child = subprocess.run([sys.executable, "-c", AMX_PROBE, str(path)], capture_output=True,
-                                   timeout=900)
-            usable = child.returncode == 0
-            write_json(record, {"usable": usable, "returncode": child.returncode, "cpu": cpu_name(),
-                                "file": str(path), "stderr_tail": child.stderr.decode("utf-8", "replace")[-2000:]},
-                       indent=1)
-        if not usable:
-            sys.stderr.write(f"specdecode: warning: this llama.cpp build's AMX kernels crash on this CPU; {path.name} "
-                             f"runs without repacked weights (slower). To fix, rebuild without AMX: {AMX_FIX}\n")
-    _amx_usable[key] = usable
-    return usable
-
-
 def default_threads() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -176,11 +111,10 @@ class LlamaLM(LM):
         if exact and f32_kv:
             raise SpecDecodeError("exact (flash attention on) and f32_kv (flash attention off) exclude each other")
         self.exact = bool(exact)
-        repack = bool(repack) and amx_usable(self.path)  # a build whose AMX kernels crash here: no extra buffers
+        self.repack = repack = bool(repack) and amx_usable(self.path, lc)  # repacked (gemm per 4 tokens) unless AMX crashes
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
-        mparams.use_extra_bufts = repack  # repacked weights (llama.cpp's default): a gemm per group of 4 tokens
-        self.repack = repack
+        mparams.use_extra_bufts = repack
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise SpecDecodeError(f"llama.cpp could not load {self.path} (is the file complete and a GGUF model "
