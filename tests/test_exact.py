@@ -72,7 +72,7 @@ def test_negative_control_passes_past_the_measured_size_change_bits(ggufs, monke
     limits = exactness.limits(engine.target)
     if limits.max_pass >= exactness.MAX_SIZE:
         pytest.skip(f"every pass up to {exactness.MAX_SIZE} tokens is exact on this machine: nothing to control")
-    monkeypatch.setattr(engine, "_exact_limits", exactness.ExactLimits(16, True))
+    monkeypatch.setattr(engine, "_exact_limits", exactness.ExactLimits(16, True, max_context=10 ** 6))
     differs = 0
     for prompt in PROMPTS:
         plain, rows = _recorded(engine, prompt, "autoregressive", NEW)
@@ -177,3 +177,26 @@ def test_greedy_equals_transformers_generate(dtype):
         for m in ["autoregressive", *METHODS]:
             ours = engine.generate(prompt, method=m, max_new_tokens=80).token_ids
             assert ours == hf, (m, dtype)
+
+
+def test_exact_passes_stop_at_the_context_they_were_measured_up_to(ggufs):
+    """llama.cpp's 1-token flash-attention pass over 512+ cells splits the cache across threads and sums the parts;
+    a longer pass does not. The measurement finds where its pass sizes stop being exact (max_context), and past it
+    exact mode decodes plainly: the output of a prompt past max_context equals plain decoding's, with no guess.
+    The control: at that context the measured pass size does change bits. (Two threads: the split takes two.)"""
+    from specdecode.backends.llamacpp import LlamaLM
+    threads = 2
+    lm = LlamaLM(ggufs["Q8_0"], threads=threads, exact=True)
+    limits = exactness.limits(lm)
+    assert limits.max_pass >= 3 and 200 < limits.max_context < 400, limits
+    assert limits.guesses(limits.max_context - limits.max_pass) == limits.max_guesses
+    assert limits.guesses(limits.max_context) == 0
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (400,), generator=g).tolist()
+    assert exactness._exact_at(lm, prompt, exactness.STEPS, limits.max_pass, limits.trees)[0] < limits.max_pass
+    engine = Engine(lm, byte_tokenizer(), LlamaLM(ggufs["Q4_0"], threads=threads), byte_tokenizer(), exact=True)
+    text = bytes(t % 128 for t in prompt).decode("ascii")  # 400 byte tokens
+    plain = engine.generate(text, method="autoregressive", max_new_tokens=24)
+    for m in ("draft", "pld"):
+        out = engine.generate(text, method=m, max_new_tokens=24)
+        assert out.token_ids == plain.token_ids and out.stats.drafted == 0, m

@@ -25,8 +25,9 @@ import torch
 from .errors import SpecDecodeError
 from .machine import cache_dir, write_json
 
-FORMAT = 2  # 2: measured after several context lengths
-CONTEXTS, STEPS, MAX_SIZE = (48, 8, 20, 100, 200), 16, 16
+FORMAT = 3  # 2: measured after several context lengths; 3: and up to which context (max_context)
+# pass sizes measured after CONTEXTS; then they are checked after each of LONG_CONTEXTS until one fails
+CONTEXTS, LONG_CONTEXTS, STEPS, MAX_SIZE = (48, 8, 20, 100, 200), (400, 800, 1600, 3200), 16, 16
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,18 @@ class ExactLimits:
     max_pass: int  # the largest pass (the root token plus guesses) whose rows all equal plain decoding's bits
     trees: bool  # a tree pass, its acceptance (a rejected node below the accepted one) and the steps after are exact
     checked: str = ""  # what was measured, for reports
+    # the most cache cells up to which max_pass and trees were found exact; beyond it, 1-token passes (plain decoding).
+    # llama.cpp: a 1-token flash-attention pass over 512+ cells splits the cache across threads and sums the
+    # parts, a longer pass does not (ggml-cpu ops.cpp, use_split_kv_path); so 2-3 token passes stop being exact
+    max_context: int = 0
 
     @property
     def max_guesses(self) -> int:
         return self.max_pass - 1
+
+    def guesses(self, cells: int) -> int:
+        """Guesses one pass may carry with `cells` cache cells in use."""
+        return self.max_guesses if cells + self.max_pass <= self.max_context else 0
 
 
 def _plain(lm, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -81,31 +90,43 @@ def _tree_rounds(lm, prompt: list[int], ids: list[int], size: int) -> torch.Tens
     return torch.stack(rows)
 
 
+def _exact_at(lm, prompt: list[int], steps: int, max_pass: int, trees: bool) -> tuple[int, bool]:
+    """(the largest pass size up to max_pass whose rows equal plain decoding's, and whether trees stay exact) after
+    prompt."""
+    ids, ref = _plain(lm, prompt, steps)
+    ok = 1
+    for k in range(2, max_pass + 1):
+        if not torch.equal(_chunked(lm, prompt, ids, k), ref):
+            break
+        ok = k
+    return ok, trees and ok >= 3 and lm.tree_error() is None and torch.equal(
+        _tree_rounds(lm, prompt, ids, min(ok, 5)), ref)
+
+
 def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE) -> ExactLimits:
     """Measure the exact pass sizes of this LM after each of CONTEXTS random tokens (those that fit; seconds: about
-    (max_pass + 2) short decodings per context). A kernel's blocking can follow the context length too: on a
-    tiny bf16 Qwen2 on torch (Intel Xeon, 2 vCPUs), 2-token passes matched 1-token passes bit for bit after
-    8 and 100 cached tokens and not after 20, 48, 64 or 200, so one context length proves nothing."""
+    (max_pass + 2) short decodings per context), then up to which context they hold (LONG_CONTEXTS, until one
+    fails: max_context is the last one that held, plus the steps decoded after it). A kernel's blocking can follow
+    the context length: on a tiny bf16 Qwen2 on torch (Intel Xeon, 2 vCPUs), 2-token passes matched 1-token
+    passes bit for bit after 8 and 100 cached tokens and not after 20, 48, 64 or 200; on llama.cpp, passes of
+    2-3 tokens that are exact after 200 tokens are not after 400 (see ExactLimits.max_context)."""
     g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(0, min(lm.vocab_size, 30000), (n,), generator=g).tolist()  # noqa: E731
     max_pass, trees, seen = max_size, True, []
     for n in CONTEXTS:
         if n + steps + max_size > lm.max_length and seen:
             break
-        prompt = torch.randint(0, min(lm.vocab_size, 30000), (n,), generator=g).tolist()
-        ids, ref = _plain(lm, prompt, steps)
-        ok = 1
-        for k in range(2, max_pass + 1):
-            if not torch.equal(_chunked(lm, prompt, ids, k), ref):
-                break
-            ok = k
-        max_pass = ok
-        trees = trees and max_pass >= 3 and lm.tree_error() is None and torch.equal(
-            _tree_rounds(lm, prompt, ids, min(max_pass, 5)), ref)
+        max_pass, trees = _exact_at(lm, rand(n), steps, max_pass, trees)
+        seen.append(n)
+    for n in LONG_CONTEXTS if max_pass > 1 else ():
+        if n + steps + max_size > lm.max_length or _exact_at(lm, rand(n), steps, max_pass, trees) != (max_pass, trees):
+            break
         seen.append(n)
     lm.reset()
+    max_context = max(seen) + steps
     return ExactLimits(max_pass, bool(trees), f"{steps} greedy steps after {', '.join(map(str, seen))} random "
                        f"tokens, passes of 2..{max_size} tokens and trees of up to {min(max_pass, 5)} nodes, "
-                       "compared bit for bit")
+                       f"compared bit for bit; exact up to {max_context} cells", max_context)
 
 
 def limits(lm, progress: bool = False) -> ExactLimits:

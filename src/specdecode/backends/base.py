@@ -58,6 +58,12 @@ class LM(Protocol):
     def __len__(self) -> int:
         """Entries in the cache."""
 
+    parked = 0  # cells held outside the text (llama.cpp exact mode: rejected tree nodes below an accepted one)
+
+    def cells(self) -> int:
+        """Cache cells in use, parked ones included: kernels may pick their path by the cache's size."""
+        return len(self) + self.parked
+
     def describe(self) -> str:
         """What pass costs depend on (the key of the measured cost model)."""
 

@@ -273,7 +273,7 @@ class LlamaSlot(LlamaLM):
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
         self.ids, self.trunk, self.parent, self.pos, self.seq = [], 0, [], [], []
         self._free = self._node_ids[::-1]
-        self._parked = 0
+        self.parked = 0
 
     def _decode(self, tokens):
         return self._shared.lockstep.run(self._shared, tokens)

@@ -216,7 +216,7 @@ class LlamaLM(LM):
         them, up to max_length. Cheap on an empty cache (a new context); with cached text, that text is
         read again (once per doubling)."""
         n = min(n, self.max_length)
-        if n + MAX_SEQ + self._parked <= self._cells:
+        if n + MAX_SEQ + self.parked <= self._cells:
             return
         cells = min(self.max_length, FIRST_CTX)
         while cells < n:
@@ -239,7 +239,7 @@ class LlamaLM(LM):
         self._free = list(range(MAX_SEQ - 1, 0, -1))  # unused sequence ids (pop from the end)
         if self.exact:
             self._free.remove(PARK)
-        self._parked = 0  # cells held by PARK (exact): rejected tree nodes below an accepted one
+        self.parked = 0  # cells held by PARK (exact): rejected tree nodes below an accepted one
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -261,10 +261,10 @@ class LlamaLM(LM):
         if not n:
             raise ValueError("forward needs at least one token")
         start = len(self.ids)
-        if start + n + self._parked > self._cells and start + n <= self.max_length + MAX_SEQ and self.trunk == start:
+        if start + n + self.parked > self._cells and start + n <= self.max_length + MAX_SEQ and self.trunk == start:
             self.reserve(start + n)
-        if start + n + self._parked > self._cells:
-            raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens (+ {self._parked} parked cells) "
+        if start + n + self.parked > self._cells:
+            raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens (+ {self.parked} parked cells) "
                                   f"> {self._cells} cache cells")
         bad = [t for t in new_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -388,7 +388,7 @@ class LlamaLM(LM):
                     if i not in kept:
                         p = self._position(i)
                         lc.llama_memory_seq_cp(self._mem, self._seq_of(i), self.park, p, p + 1)
-                        self._parked += 1
+                        self.parked += 1
         for sid in self.seq:
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
             self._free.append(sid)
