@@ -951,9 +951,10 @@ def test_amx_kernels_that_crash_turn_the_extra_buffers_off(files, monkeypatch, c
     assert lm.repack is False
     assert "-mno-amx-int8" in capfd.readouterr().err
     lm.forward([1, 2, 3])
-    monkeypatch.setattr(L, "_amx_usable", {})  # a new process: the cached record answers
+    monkeypatch.setattr(L, "_amx_usable", {})  # a new process: the cached record answers, and the user is told again
     monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: pytest.fail("the verdict was not cached"))
     assert L.amx_usable(files.target, llama_cpp) is False
+    assert "-mno-amx-int8" in capfd.readouterr().err
 
 
 def test_amx_kernels_that_run_keep_the_repacked_weights(files, monkeypatch):

@@ -51,20 +51,23 @@ def amx_usable(path: str | Path, lc) -> bool:
         return _amx_usable[key]
     record = cache_dir() / "costs" / f"amx-{key}.json"
     try:
-        usable = bool(json.loads(record.read_text())["usable"])
+        info = json.loads(record.read_text())
+        usable, status = bool(info["usable"]), int(info["returncode"])
     except (OSError, ValueError, KeyError, TypeError):
-        if not _amx_weight_types(path):
-            usable = True  # nothing of this file goes to AMX buffers (F32 weights, say)
-        else:
+        usable, status = True, 0
+        if _amx_weight_types(path):  # else nothing of this file goes to AMX buffers (F32 weights, say)
             sys.stderr.write("specdecode: checking that llama.cpp's AMX kernels run on this CPU (once)\n")
-            child = subprocess.run([sys.executable, "-c", AMX_PROBE, str(path)], capture_output=True,
-                                   timeout=900)
-            usable = child.returncode == 0
-            write_json(record, {"usable": usable, "returncode": child.returncode, "cpu": cpu_name(),
-                                "file": str(path), "stderr_tail": child.stderr.decode("utf-8", "replace")[-2000:]},
-                       indent=1)
-        if not usable:
-            sys.stderr.write(f"specdecode: warning: this llama.cpp build's AMX kernels crash on this CPU; {path.name} "
-                             f"runs without repacked weights (slower). To fix, rebuild without AMX: {AMX_FIX}\n")
+            try:
+                child = subprocess.run([sys.executable, "-c", AMX_PROBE, str(path)], capture_output=True, timeout=900)
+                status, tail = child.returncode, child.stderr.decode("utf-8", "replace")[-2000:]
+            except subprocess.TimeoutExpired:
+                status, tail = -1, "no answer in 900 s"
+            usable = status == 0
+            write_json(record, {"usable": usable, "returncode": status, "cpu": cpu_name(), "file": str(path),
+                                "stderr_tail": tail}, indent=1)
+    if not usable:  # every process that loads the file says so, once
+        sys.stderr.write(f"specdecode: warning: this llama.cpp build's AMX kernels fail on this CPU (check exit status "
+                         f"{status}, {record}); {path.name} runs without repacked weights (slower). To fix, rebuild "
+                         f"without AMX: {AMX_FIX}\n")
     _amx_usable[key] = usable
     return usable
