@@ -52,12 +52,13 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
             return
         g = min(gamma, room - 1) if drafter is not None else 0  # never draft what cannot be emitted
         if exact is not None:  # within the exact pass sizes, and none past the context they were measured up to
-            g = min(g, exact.guesses(target.cells()))
+            cap = exact.guesses(target.cells())
+            g = min(g, cap)
 
         t0 = time.perf_counter()
         draft = drafter.propose(ids, g, params, generator) if g > 0 else Draft([], None)
         if exact is not None:
-            draft = draft.prefix(g, chain=not exact.trees)
+            draft = draft.prefix(cap, chain=not exact.trees)
         t1 = time.perf_counter()
         # the ONE target pass over the last committed token (the root) and every drafted token
         root = len(target)
