@@ -24,6 +24,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from ..backends.amx import NO_AMX_FLAGS
 from ..machine import cache_dir
 
 TARGETS = ("llama-server", "llama-batched-bench")
@@ -32,8 +33,8 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_
                "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF")
 if platform.machine() in ("x86_64", "AMD64"):
     # as the README builds llama-cpp-python: without llama.cpp's AMX kernels, which GCC 12 miscompiles (a crash
-    # on the first batched matmul on a CPU with AMX; see backends/llamacpp.amx_usable)
-    CMAKE_FLAGS += ("-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8")
+    # on the first batched matmul on a CPU with AMX; see backends/amx.amx_usable)
+    CMAKE_FLAGS += NO_AMX_FLAGS
 
 
 def llama_cpp_version() -> str:
