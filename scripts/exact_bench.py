@@ -4,12 +4,14 @@ does exactness cost? (issue 17)
 For each prompt (HumanEval's first N completions, MIT; MT-bench's first M questions as chat, Apache-2.0):
 - exact mode (flash attention on, the measured exact pass sizes): autoregressive, then every method; each
   output compared with exact autoregressive's, token for token;
-- llama-cpp-python's own greedy generation of the same GGUF with flash attention on (the peer, same
-  settings): compared with exact autoregressive's;
+- the peer, compared with exact autoregressive's: on llama.cpp, llama-cpp-python's own greedy generation of
+  the same GGUF with flash attention on (same settings); on torch (--backend torch --dtype bf16),
+  transformers' own `generate(do_sample=False)` on the same weights;
 - default mode: autoregressive and auto, for the cost of exactness (wall seconds, summed over prompts).
 Writes results.json and report.md to --out. Run it on a quiet machine.
 
     python scripts/exact_bench.py --humaneval 20 --mtbench 10 --out docs/results/issue17-exact
+    python scripts/exact_bench.py --backend torch --dtype bf16 --humaneval 20 --mtbench 10 --out ...
 """
 from __future__ import annotations
 
@@ -55,6 +57,15 @@ def peer_ids(llm, ids, n, eos):
     return got
 
 
+def hf_peer_ids(model, ids, n, eos):
+    """transformers' own greedy generation on the torch target's weights (its own KV cache and kernels)."""
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_k=None, top_p=None,
+                             temperature=None, pad_token_id=min(eos), eos_token_id=sorted(eos))
+    return [int(t) for t in out[0, len(ids):]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--humaneval", type=int, default=20)
@@ -64,13 +75,22 @@ def main() -> None:
     ap.add_argument("--longprompt", default=None, help="a long-prompt dev set (scripts/longprompt_devset.py)")
     ap.add_argument("--long", type=int, default=0, help="prompts per category of --longprompt")
     ap.add_argument("--methods", default=",".join(EXACT_METHODS), help="methods run in exact mode")
+    ap.add_argument("--backend", default="auto", choices=["auto", "llama.cpp", "torch"])
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="torch: the weights' type")
+    ap.add_argument("--target", default=None, help="default: the default pair")
+    ap.add_argument("--draft", default=None)
     a = ap.parse_args()
-    from llama_cpp import Llama
-    exact = Engine.load(exact=True, progress=False)
-    default = Engine.load(progress=False)
+    load = dict(target=a.target, draft=a.draft, progress=False, backend=a.backend, dtype=a.dtype)
+    exact = Engine.load(exact=True, **load)
+    default = Engine.load(**load)
     limits = exact.exact_limits()
-    peer = Llama(str(exact.target.gguf_path), n_ctx=4096, n_threads=exact.target.threads,
-                 n_threads_batch=exact.target.threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
+    if exact.backend == "llama.cpp":
+        from llama_cpp import Llama
+        llm = Llama(str(exact.target.gguf_path), n_ctx=4096, n_threads=exact.target.threads,
+                    n_threads_batch=exact.target.threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
+        peer, peer_name = (lambda ids, n: peer_ids(llm, ids, n, exact.eos_ids)), "llama-cpp-python (FA on)"
+    else:
+        peer, peer_name = (lambda ids, n: hf_peer_ids(exact.target.model, ids, n, exact.eos_ids)), "transformers generate"
     rows = []
     methods = a.methods.split(",")
     for engine, ms in ((exact, ["autoregressive", *methods]), (default, ["autoregressive", "auto"])):
@@ -81,7 +101,7 @@ def main() -> None:
         r = {"category": cat, "prompt_tokens": len(ids), "wall": {}, "tokens": {}, "tau": {}, "same": {}}
         ref, r["wall"]["exact/autoregressive"] = timed(exact, prompt, "autoregressive", a.max_new_tokens)
         r["tokens"]["exact/autoregressive"] = len(ref.token_ids)
-        theirs = peer_ids(peer, ids, len(ref.token_ids), exact.eos_ids)
+        theirs = peer(ids, len(ref.token_ids))
         r["same"]["peer"] = theirs == ref.token_ids
         for m in methods:
             out, r["wall"][f"exact/{m}"] = timed(exact, prompt, m, a.max_new_tokens)
@@ -96,12 +116,14 @@ def main() -> None:
               {k: round(v, 2) for k, v in r["wall"].items()}, flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"cpu": cpu_description(), "limits": limits.__dict__, "max_new_tokens": a.max_new_tokens, "rows": rows}
+    report = {"cpu": cpu_description(), "backend": exact.backend, "target": exact.target.name,
+              "dtype": str(exact.target.dtype), "peer": peer_name, "limits": limits.__dict__, "max_new_tokens": a.max_new_tokens, "rows": rows}
     (out / "results.json").write_text(json.dumps(report, indent=1))
     lines = [f"# Exact greedy mode on the default pair\n", f"{report['cpu']}\n",
              f"Measured exact pass sizes: up to {limits.max_pass} tokens, trees {'yes' if limits.trees else 'no'}.\n",
              f"Methods in exact mode: {', '.join(methods)}.\n",
-             "| category | prompts | all methods = exact autoregressive | exact AR = llama-cpp-python (FA on) | "
+             f"Backend: {exact.backend}, target {exact.target.name} ({exact.target.dtype}).\n",
+             f"| category | prompts | all methods = exact autoregressive | exact AR = {peer_name} | "
              "exact AR / default AR (time) | exact auto / default auto | exact auto / default AR | τ exact auto | "
              "τ default auto | median per prompt: exact AR / default AR, exact auto / default auto |",
              "|---|---|---|---|---|---|---|---|---|---|"]
