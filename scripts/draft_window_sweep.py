@@ -2,10 +2,10 @@
 
 For each long prompt (rows of scripts/longprompt_devset.py, the first N per category): plain decoding once,
 then method `draft` (a chain of gamma draft tokens every step, so the draft model always runs) with the draft
-seeing the whole text and windows of each size given. The target's output is the same for every window
-(greedy, checked here token for token against the whole-text draft's); what changes is what the draft reads
-(method `draft` reads it with the target's prefill: part of prefill_s and the time to the first token) and how often the target
-accepts its guesses. Writes results.json and report.md to --out. Run it on a quiet machine.
+seeing the whole text and windows of each size given. The draft never changes the output's law; greedy, each
+output is compared with plain decoding's token for token (outside exact mode a near-tie may fall the other way
+in a pass of another size). What changes is what the draft reads (method `draft` reads it with the target's
+prefill: part of prefill_s and the time to the first token) and how often the target accepts its guesses. Writes results.json and report.md to --out. Run it on a quiet machine.
 
     python scripts/draft_window_sweep.py --prompts DEVSET.jsonl --per-category 1 --windows 0,1024,512,256 --out DIR
 """
@@ -36,7 +36,7 @@ def run(engine, prompt, method, new, gamma):
     s = g.stats
     return g.token_ids, {"wall_s": time.perf_counter() - t, "ttft_s": s.ttft_s, "prefill_s": s.prefill_s,
                          "decode_tok_s": s.decode_tokens_per_second, "new_tokens": s.new_tokens,
-                         "draft_s": s.draft_s, "catchup_s": s.catchup_s, "verify_s": s.verify_s,
+                         "draft_s": s.draft_s, "verify_s": s.verify_s, "prompt_tokens": s.prompt_tokens,
                          "acceptance": s.acceptance_rate, "tau": s.mean_accepted_tokens}
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     for r in rows(a.prompts, a.per_category):
         prompt = [{"role": "user", "content": r["turns"][0]}]
         ref, plain = run(engine, prompt, "autoregressive", a.max_new_tokens, a.gamma)
-        row = {"id": r["question_id"], "category": r["category"], "prompt_tokens": len(engine.encode(prompt)),
+        row = {"id": r["question_id"], "category": r["category"], "prompt_tokens": plain["prompt_tokens"],
                "autoregressive": plain, "draft": {}}
         for w in windows:
             engine.draft_model.window = w or None
