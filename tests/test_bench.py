@@ -342,3 +342,41 @@ def test_longprompt_devset_generator(tmp_path, capsys):
     # the default output goes to the specdecode cache (SPECDECODE_CACHE in the tests)
     from specdecode.backends import cache_dir
     assert gen.default_out() == cache_dir() / "devset" / "longprompt.jsonl"
+
+
+def test_llama_cpp_peer_runs_in_a_process_of_its_own(tmp_path):
+    """The llama-cpp-python peer decodes in a child process (in one process the model loaded first decodes
+    slower): greedy output equals Llama's in this process, and a child that dies is a clear error, not a hang."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp peer needs llama-cpp-python (not installed)")
+    import os
+    from types import SimpleNamespace
+    from specdecode.bench.peers import LlamaPeer
+    from specdecode.errors import SpecDecodeError
+    from tinygguf import write_tiny_gguf
+    target = write_tiny_gguf(tmp_path / "target.gguf", 0)
+    lm = SimpleNamespace(gguf_path=target, max_length=256, threads=1, repack=True)
+    peer = LlamaPeer(SimpleNamespace(target=lm, eos_ids=set()), pld=False, log_dir=tmp_path / "logs")
+    try:
+        assert peer.proc.pid != os.getpid() and peer.proc.poll() is None
+        r = peer.generate([1, 2, 3, 4], 10, 0.0, None)
+        llm = llama_cpp.Llama(model_path=str(target), n_ctx=256, n_threads=1, verbose=False)
+        want = []
+        for tok in llm.generate([1, 2, 3, 4], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            want.append(int(tok))
+            if len(want) == 10:
+                break
+        assert r["token_ids"] == want and r["new_tokens"] == 10 and 0 < r["ttft_s"] <= r["wall_s"]
+        with pytest.raises(SpecDecodeError, match="greedy only"):
+            peer.generate([1, 2], 4, 1.0, None)
+        peer.proc.kill()
+        peer.proc.wait()
+        with pytest.raises(SpecDecodeError, match="process ended"):
+            peer.generate([1, 2], 4, 0.0, None)
+    finally:
+        peer.close()
+    assert peer.proc.poll() is not None
+    with pytest.raises(SpecDecodeError, match="peer failed"):  # a file llama.cpp cannot load
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(b"GGUF" + b"\0" * 64)
+        LlamaPeer(SimpleNamespace(target=SimpleNamespace(gguf_path=bad, max_length=256, threads=1, repack=True),
+                                  eos_ids=set()), pld=False, log_dir=tmp_path / "logs")

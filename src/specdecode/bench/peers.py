@@ -3,8 +3,11 @@ with its prompt lookup), transformers' assisted generation with our draft model,
 llama-server (plain, with our draft model, with its n-gram speculation: server_peer.py)."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
-from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -24,56 +27,59 @@ def _is(m: str, need: str) -> bool:
     return m in METHOD_TABLE and bool(getattr(METHOD_TABLE[m], need))
 
 
-@contextmanager
-def _extra_buffers(on: bool):
-    """llama-cpp-python's Llama has no setting for llama.cpp's extra (repacked, AMX) weight buffers: while
-    `on` is False, the default model parameters it starts from have them off."""
-    import llama_cpp.llama_cpp as c
-    default = c.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-    if not on:
-        c.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        c.llama_model_default_params = default
-
-
 class LlamaPeer:
     """llama-cpp-python's own high-level greedy generation on the same GGUF file and thread count
-    (with its LlamaPromptLookupDecoding for llama.cpp-pld): what a user would run instead of us."""
+    (with its LlamaPromptLookupDecoding for llama.cpp-pld): what a user would run instead of us. It runs in
+    a process of its own (llama_peer_child.py: in one process the model loaded first decodes slower), idle
+    while ours runs; its times are taken there, around the generation only."""
 
-    def __init__(self, engine: Engine, pld: bool):
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    def __init__(self, engine: Engine, pld: bool, log_dir: str | Path = "bench-out/logs"):
         from .load_peers import DEFAULT_CTX
         lm = engine.target
-        self.eos = engine.eos_ids
-        with _extra_buffers(lm.repack):  # as our target runs: off where this build's AMX kernels crash
-            self.llm = Llama(model_path=str(lm.gguf_path), n_ctx=min(lm.max_length, DEFAULT_CTX), n_threads=lm.threads,
-                             n_threads_batch=lm.threads, n_gpu_layers=0, verbose=False,
-                             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if pld else None)
+        self.eos = sorted(engine.eos_ids)
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = log_dir / f"llama-cpp-python{'-pld' if pld else ''}.log"
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("llama_peer_child.py"))],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        cfg = dict(model_path=str(lm.gguf_path), n_ctx=min(lm.max_length, DEFAULT_CTX), threads=lm.threads,
+                   repack=bool(lm.repack), pld=pld)  # repack: off where this build's AMX kernels crash, as ours
+        try:
+            self._ask(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _ask(self, obj: dict) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            raise SpecDecodeError(f"the llama-cpp-python peer's process ended (exit {self.proc.poll()}); "
+                                  f"its log {self.log}:\n{tail}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise SpecDecodeError(f"the llama-cpp-python peer failed: {reply['error']}")
+        return reply
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed) -> dict:
         if temperature != 0:
             raise SpecDecodeError("the llama.cpp peers are benchmarked greedy only (--temperature 0)")
-        self.llm.reset()  # no prefix reuse from the previous prompt: each run prefills, as ours do
-        ids = []
-        ttft = None
-        t = time.perf_counter()
-        for tok in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                     reset=True):
-            if ttft is None:  # the first token out: the prefill and one sampling step
-                ttft = time.perf_counter() - t
-            ids.append(int(tok))
-            if tok in self.eos or len(ids) >= max_new_tokens:
-                break
-        wall = time.perf_counter() - t
-        return {"token_ids": ids, "new_tokens": len(ids), "wall_s": wall, "ttft_s": ttft}
+        return self._ask({"prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens, "eos": self.eos})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # end of input ends the child
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
 
 
 def hf_assisted(engine: Engine, prompt_ids: list[int], gamma: int, max_new_tokens: int,

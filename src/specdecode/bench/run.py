@@ -158,7 +158,7 @@ def _make_peers(engine, methods: list[str], llama_server: str | None, log_dir) -
     then llama-cpp-python's; the servers stopped again if anything fails here."""
     peers = make_server_peers(engine, methods, llama_server, Path(log_dir))
     try:
-        peers.update({m: LlamaPeer(engine, pld=m == "llama.cpp-pld") for m in methods
+        peers.update({m: LlamaPeer(engine, pld=m == "llama.cpp-pld", log_dir=log_dir) for m in methods
                       if m in ("llama.cpp", "llama.cpp-pld")})
     except BaseException:
         close_peers(peers)
