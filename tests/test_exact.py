@@ -113,6 +113,35 @@ def test_plain_decoding_equals_llama_cpp_pythons_own(ggufs):
         assert ours == theirs
 
 
+@pytest.mark.parametrize("qtype", list(TYPES))
+def test_default_greedy_reads_the_prompt_as_llama_cpp_python_does(ggufs, qtype):
+    """Outside exact mode too, greedy decoding reads the whole prompt in its own passes and takes the first token
+    from its last row, as llama-cpp-python's generation does (before: the prompt but its last token, which went
+    into the first 1-token pass: its keys and values rounded as a 1-row pass, and greedy output left the peer's
+    on 10 of 10 MT-bench questions on a Zen 4); our plain decoding then equals the peer's (flash attention off,
+    llama-cpp-python's default) token for token."""
+    from llama_cpp import Llama
+    from specdecode.backends.llamacpp import LlamaLM
+    lm = LlamaLM(ggufs[qtype], threads=1)
+    engine = Engine(lm, byte_tokenizer())
+    peer = Llama(str(ggufs[qtype]), n_ctx=512, n_threads=1, n_threads_batch=1, n_batch=512, verbose=False)
+    sizes, forward = [], lm.forward
+    lm.forward = lambda ids, *a, **k: sizes.append(len(ids)) or forward(ids, *a, **k)
+    for prompt in PROMPTS:
+        del sizes[:]
+        ours = engine.generate(prompt, method="autoregressive", max_new_tokens=NEW).token_ids
+        ids = engine.encode(prompt)
+        assert sizes[0] == len(ids) and set(sizes[1:]) == {1}, sizes
+        theirs = []
+        for t in peer.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            theirs.append(t)
+            if len(theirs) == len(ours) or t in engine.eos_ids:
+                break
+        assert ours == theirs
+    sampled = engine.generate(PROMPTS[0], method="autoregressive", max_new_tokens=4, temperature=1.0, seed=0)
+    assert len(sampled.token_ids) == 4  # sampled decoding keeps the last prompt token for the first pass
+
+
 def test_torch_exact_mode_is_bit_identical():
     tok = byte_tokenizer()
     engine = Engine(tiny_model(0), tok, tiny_model(0), tok, exact=True)

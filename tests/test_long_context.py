@@ -210,7 +210,8 @@ def test_short_context_draft_keeps_drafting_with_a_window():
     plain = engine.generate("def add(a, b):\n", method="autoregressive", max_new_tokens=80)
     out = engine.generate("def add(a, b):\n", method="draft", max_new_tokens=80)
     assert out.token_ids == plain.token_ids
-    assert out.stats.strategies.get("draft", 0) == out.stats.target_forwards  # every step drafted
+    # every step drafted (the first token came from the prompt's own pass, as greedy decoding's always does)
+    assert out.stats.strategies == {"plain": 1, "draft": out.stats.target_forwards - 1}
 
 
 def test_bad_draft_window():

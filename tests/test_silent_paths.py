@@ -226,9 +226,10 @@ def _self_drafting_engine():
 
 def _mid_pass_cut(ids, decode):
     """A 3-token stop string whose first occurrence ends on a draft token in the middle of a pass
-    (pass-relative index 1-3 of 0-4, 4 being the bonus), and that index."""
+    (pass-relative index 1-2 of 0-4, 4 being the bonus: drafted tokens after it are cut), and that index.
+    Greedy: token 0 comes from the prompt's own pass (engine._prefill), passes of GAMMA + 1 from token 1."""
     for k in range(2 * (GAMMA + 1), len(ids) - GAMMA - 1):
-        if k % (GAMMA + 1) not in (1, 2, 3):
+        if (k - 1) % (GAMMA + 1) not in (1, 2):
             continue
         stop = decode(ids[k - 2:k + 1])
         if (len(stop) == 3 and stop.isprintable() and stop in decode(ids[:k + 1])
@@ -239,10 +240,10 @@ def _mid_pass_cut(ids, decode):
 
 def _expected_accepted(n_emitted, passes):
     """Accepted draft tokens (total, by position) when every pass accepts GAMMA and the output is cut
-    to n_emitted tokens."""
+    to n_emitted tokens; the first pass (the prompt's: greedy decoding's first token) drafted nothing."""
     per_position = [0] * GAMMA
-    for p in range(passes):
-        kept = min(GAMMA, max(0, n_emitted - p * (GAMMA + 1)))
+    for p in range(passes - 1):
+        kept = min(GAMMA, max(0, n_emitted - 1 - p * (GAMMA + 1)))
         for i in range(kept):
             per_position[i] += 1
     return sum(per_position), per_position
@@ -250,17 +251,18 @@ def _expected_accepted(n_emitted, passes):
 
 def test_stop_string_in_the_middle_of_a_pass_cuts_the_stats():
     engine = _self_drafting_engine()
-    full = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=80)
+    full = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=81)
     s = full.stats
-    assert s.accepted == s.drafted == GAMMA * s.target_forwards  # precondition: acceptance 1
+    # precondition: acceptance 1 (the first token from the prompt's pass, then passes of GAMMA + 1)
+    assert s.accepted == s.drafted == GAMMA * (s.target_forwards - 1) and s.strategies["plain"] == 1
     stop, k = _mid_pass_cut(full.token_ids, engine.decode)
 
-    out = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=80, stop=stop)
+    out = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=81, stop=stop)
     s = out.stats
     assert s.finish_reason == "stop" and out.token_ids == full.token_ids[:k + 1]
-    assert s.new_tokens == k + 1 and s.target_forwards == k // (GAMMA + 1) + 1
+    assert s.new_tokens == k + 1 and s.target_forwards == (k - 1) // (GAMMA + 1) + 2
     accepted, per_position = _expected_accepted(k + 1, s.target_forwards)
-    assert s.accepted == accepted < s.drafted == GAMMA * s.target_forwards
+    assert s.accepted == accepted < s.drafted == GAMMA * (s.target_forwards - 1)
     assert s.accepted_per_position == per_position and sum(s.accepted_per_position) == s.accepted
     # accepted never exceeds the emitted tokens that came from drafts (all but one bonus per full pass)
     assert s.accepted <= s.new_tokens - (s.target_forwards - 1)
@@ -273,7 +275,7 @@ def test_eos_in_the_middle_of_a_pass_cuts_the_stats():
     full = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=80)
     ids = full.token_ids
     k = next(k for k in range(GAMMA + 1, len(ids) - GAMMA - 1)
-             if k % (GAMMA + 1) in (1, 2, 3) and ids[k] not in ids[:k])
+             if (k - 1) % (GAMMA + 1) in (1, 2, 3) and ids[k] not in ids[:k])
     engine.eos_ids = {ids[k]}
     out = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=80)
     s = out.stats

@@ -97,8 +97,9 @@ def test_greedy_fixed_shape_equals_plain(models, plain, shape):
     cap = nodes if nodes is not None else width + width * width * (depth - 1) + depth  # + a lookup branch
     assert stats.drafted <= cap * stats.target_forwards
     assert len(stats.drafted_per_position) <= depth
-    # a fixed shape drafts on every pass but a last one with room for one token only
-    assert stats.drafted_per_position[0] >= stats.target_forwards - 1
+    # a fixed shape drafts on every pass but the prompt's (greedy: its last row gives the first token) and a
+    # last one with room for one token only
+    assert stats.drafted_per_position[0] >= stats.target_forwards - 2
 
 
 @pytest.mark.parametrize("costs", [CHEAP, EXPENSIVE], ids=["cheap", "expensive"])

@@ -1,9 +1,8 @@
 """The speculative decoding loop (draft -> verify -> accept -> roll back) and its facade, the Engine.
 
-Cache convention (both models): the cache holds every committed token except the last one, which
-goes into the next target pass together with the draft, so the target scores gamma draft tokens
-plus the bonus position in ONE forward of gamma+1 tokens. Plain decoding is the same loop with an
-empty draft, so every speedup is measured against the same code path.
+Cache convention (both models): the cache holds every committed token except the last one, which goes
+into the next target pass with the draft: the target scores gamma draft tokens plus the bonus position in
+ONE forward of gamma+1 tokens. Plain decoding is the same loop with an empty draft.
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
     tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
     still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are
     bit-identical to plain decoding's (exactness.py)."""
-    ids, head = _prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None)
+    ids, head = _prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy)
     emitted = len(head)
     if head:
         stats.record(Draft([], None), 0, 1)
@@ -87,9 +86,10 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
 
 
 def _prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_tokens: int, stats: Stats,
-             exact: bool) -> tuple[list[int], list[int]]:
-    """Both caches emptied, then given the prompt but its last token (it goes into the first target pass). Exact
-    mode reads it all and returns (ids, head), head its first token as plain decoding gets it; else head = []."""
+             whole: bool) -> tuple[list[int], list[int]]:
+    """Both caches emptied, then given the prompt but its last token (it goes into the first target pass). With
+    `whole` (greedy) the target reads it all: (ids, head), head the argmax of its last row, as llama-cpp-python's
+    and HF's generation get it (ours then shares every rounding of the prompt with theirs); else head = []."""
     if len(prompt_ids) >= target.max_length:
         raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
                               f"{target.max_length}, so no token can be generated")
@@ -98,7 +98,7 @@ def _prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new
     if drafter is not None:
         drafter.reset()
     ids, head, t = list(prompt_ids), [], time.perf_counter()
-    if exact:
+    if whole:
         head = [int(target.forward(ids, last_only=True)[-1].argmax())]
         ids += head
     elif len(ids) > 1:

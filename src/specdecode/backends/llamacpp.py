@@ -274,17 +274,11 @@ class LlamaLM(LM):
         if len(parents) != n:
             raise ValueError(f"{n} tokens but {len(parents)} parents")
         # leading tokens that continue the trunk and that every later token descends from join the trunk
-        # (linear in n: a long prompt is one chain, and a check per token over the rest was quadratic)
-        j = 0
-        if self.trunk == start:
-            if parents == chain:
-                j = n
-            else:
-                later = [start + n] * n  # later[i]: the smallest parent of tokens i+1 ..
-                for i in range(n - 2, -1, -1):
-                    later[i] = min(later[i + 1], parents[i + 1])
-                while j < n and parents[j] == start + j - 1 and later[j] >= start + j:
-                    j += 1
+        j, later = 0, [start + n] * n  # later[i]: the smallest parent after token i (linear, not quadratic)
+        for i in range(n - 2, -1, -1):
+            later[i] = min(later[i + 1], parents[i + 1])
+        while self.trunk == start and j < n and parents[j] == start + j - 1 and later[j] >= start + j:
+            j += 1
         if j == n:  # a causal chain: split into batches of N_BATCH
             out = []
             step = self.chunk  # read once: a batch slot's may change while it feeds (others join or leave)
@@ -374,16 +368,10 @@ class LlamaLM(LM):
         hanging off entry length-1). Everything else is forgotten."""
         lc = self._lc
         length, path = self._branch(length, path)
-        # keep = [0, length) + path; its first m entries are a prefix of the trunk, the rest the branch
-        # (no list over the whole text: a plain step at a long context rolled back in O(length) Python)
-        m = min(length, self.trunk)
-        k = 0
-        if m == length:
-            while k < len(path) and path[k] == m and m < self.trunk:
-                m, k = m + 1, k + 1
-            branch = path[k:]
-        else:
-            branch = list(range(m, length)) + path
+        m, k = min(length, self.trunk), 0  # keep = [0, length) + path: its first m entries are a trunk prefix
+        while m == length + k < self.trunk and k < len(path) and path[k] == m:
+            m, k = m + 1, k + 1
+        branch = path[k:] if m >= length else list(range(m, length)) + path
         if not path and length > self.trunk:  # rolled back inside the tree: keep those nodes as they are
             for sid in self.seq[length - self.trunk:]:
                 lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
