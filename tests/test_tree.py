@@ -308,6 +308,14 @@ def test_cost_model_interpolates_and_extrapolates():
     assert below.t(2) == 2.0 and below.t(3) == pytest.approx(2.5) and below.t(6) == pytest.approx(4.0)
     rel = c.as_dict()
     assert rel["target_s_1"] == 1.0 and rel["target"][8] == 4.0 and rel["draft"][4] == pytest.approx(0.4)
+    # a last segment that falls (a faster kernel from 16 tokens: whole calls over 4 slots on a Zen 4, ms) is not
+    # continued downwards: past the table, the whole table's slope (34 -> 274 over 1 -> 16 tokens)
+    calls = CostModel({1: 34, 4: 96, 8: 240, 12: 328, 16: 274})
+    assert calls.t(16) == 274 and calls.t(14) == pytest.approx(301)  # inside the table: as measured
+    assert calls.t(24) == pytest.approx(274 + 8 * 240 / 15)
+    past = [calls.t(n) for n in range(16, 64)]
+    assert past == sorted(past) and calls.t(20) > calls.t(16)
+    assert CostModel({4: 2.0}).t(8) == pytest.approx(4.0)  # one point: proportional on both sides
 
 
 # measure() feeds context ids up to 999: these tests use a tiny model with a 1024-token vocabulary
