@@ -96,6 +96,16 @@ def test_parked_cells_keep_trees_exact_and_their_control(ggufs):
     assert not torch.equal(exactness._tree_rounds(lm, prompt, ids, 3), ref)
 
 
+def _peer_greedy(peer, ids: list[int], n: int, eos: set[int]) -> list[int]:
+    """llama-cpp-python's own greedy generation: up to n tokens, or to an end-of-generation token."""
+    theirs = []
+    for t in peer.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        theirs.append(t)
+        if len(theirs) == n or t in eos:
+            break
+    return theirs
+
+
 def test_plain_decoding_equals_llama_cpp_pythons_own(ggufs):
     from llama_cpp import Llama
     from specdecode.backends.llamacpp import LlamaLM
@@ -105,12 +115,7 @@ def test_plain_decoding_equals_llama_cpp_pythons_own(ggufs):
     for prompt in PROMPTS:
         ours = engine.generate(prompt, method="autoregressive", max_new_tokens=NEW).token_ids
         ids = engine.encode(prompt)
-        theirs = []
-        for t in peer.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-            theirs.append(t)
-            if len(theirs) == len(ours) or t in engine.eos_ids:
-                break
-        assert ours == theirs
+        assert ours == _peer_greedy(peer, ids, len(ours), engine.eos_ids)
 
 
 @pytest.mark.parametrize("qtype", list(TYPES))
@@ -132,12 +137,7 @@ def test_default_greedy_reads_the_prompt_as_llama_cpp_python_does(ggufs, qtype):
         ours = engine.generate(prompt, method="autoregressive", max_new_tokens=NEW).token_ids
         ids = engine.encode(prompt)
         assert sizes[0] == len(ids) and set(sizes[1:]) == {1}, sizes
-        theirs = []
-        for t in peer.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-            theirs.append(t)
-            if len(theirs) == len(ours) or t in engine.eos_ids:
-                break
-        assert ours == theirs
+        assert ours == _peer_greedy(peer, ids, len(ours), engine.eos_ids)
     sampled = engine.generate(PROMPTS[0], method="autoregressive", max_new_tokens=4, temperature=1.0, seed=0)
     assert len(sampled.token_ids) == 4  # sampled decoding keeps the last prompt token for the first pass
 
