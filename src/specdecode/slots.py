@@ -28,7 +28,7 @@ from .machine import write_json
 from .planning.costs import CostModel
 from .stats import Generation
 
-PREFILL_CHUNK = 64  # tokens of a prompt per pass while other generations decode (see Slots.prefill_chunk)
+CHUNK_SLACK = 1.10  # a prompt's chunk: the smallest measured call within 10% of the cheapest per token (prefill_chunk)
 
 
 class Slots:
@@ -53,6 +53,7 @@ class Slots:
         # waiting passes are cut into llama_decode calls, and what a slot's tokens add to a call (InCompany)
         self.calls = call_costs(targets[0]._shared, n, costs_path(engine.target, n), engine.progress)
         targets[0]._shared.cost = self.calls.t
+        self.prefill_chunk = prefill_chunk or prefill_chunk_from(self.calls)
         drafts = [None] * n  # the draft's waiting passes: one call each time
         if engine.draft_model is not None:
             drafts = make_slots(engine.draft_model.lm, n, cells, self.lockstep, None)
@@ -62,7 +63,7 @@ class Slots:
                        "window", None))
             e.costs, e.datastore, e.progress = InCompany(costs, self._company, self.calls), engine.datastore, \
                 engine.progress
-            target.prefill_chunk = prefill_chunk or PREFILL_CHUNK
+            target.prefill_chunk = self.prefill_chunk
             self.engines.append(e)
 
     def _company(self) -> int:
@@ -108,6 +109,17 @@ class Slots:
 
 
 CALL_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # tokens in one call over several generations (time_calls)
+CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding
+
+
+def prefill_chunk_from(calls: CostModel) -> int:
+    """Tokens of a prompt per pass while other generations decode: the smallest measured call whose cost per token
+    is within CHUNK_SLACK of the cheapest per token. A bigger chunk reads the prompt little faster and makes every
+    other generation wait longer each step (llama-server reads a whole prompt in one call: the others' tokens
+    wait for all of it)."""
+    sizes = [m for m in CHUNK_SIZES if m in calls.target] or [max(calls.target)]
+    best = min(calls.target[m] / m for m in sizes)
+    return next(m for m in sizes if calls.target[m] / m <= CHUNK_SLACK * best)
 
 
 def costs_path(lm, n: int) -> Path:
@@ -118,15 +130,17 @@ def costs_path(lm, n: int) -> Path:
 def call_costs(shared, n: int, path: Path, progress: bool = True) -> CostModel:
     """The target's table of whole calls over n slots (SharedContext.time_calls), read from `path` or
     measured there (a few seconds: each slot reads 128 tokens first)."""
+    room = shared.slots[0].max_length - 128  # time_calls: 128 tokens in each slot first
+    sizes = [m for m in CALL_SIZES if m <= max(4 * n, 8)] + [m for m in CHUNK_SIZES if n <= m - n < room]
     try:
         table = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
-        if table and all(v > 0 for v in table.values()):
+        if set(sizes) <= set(table) and all(v > 0 for v in table.values()):
             return CostModel(table)
     except (OSError, ValueError, AttributeError):
-        pass  # none yet, or damaged: measure
+        pass  # none yet, damaged, or of an older version (without the chunk sizes): measure
     if progress:
         sys.stderr.write(f"measuring batched pass costs for {n} slots (once per machine)...\n")
-    table = shared.time_calls([m for m in CALL_SIZES if m <= max(4 * n, 8)])
+    table = shared.time_calls(sizes, chunk_from=min(CHUNK_SIZES))
     write_json(path, table)
     return CostModel(table)
 

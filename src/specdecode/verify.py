@@ -39,19 +39,18 @@ def verify(
     if draft_tokens.shape != (B, gamma) or (q is not None and q.shape != (B, gamma, p.shape[-1])):
         raise ValueError(f"shape mismatch: p {tuple(p.shape)}, q {None if q is None else tuple(q.shape)}, "
                          f"draft_tokens {tuple(draft_tokens.shape)}")
-    rows = torch.arange(B, device=p.device)
     if gamma == 0:
         return torch.zeros(B, dtype=torch.long, device=p.device), sample(p[:, 0], generator)
 
     idx = draft_tokens.unsqueeze(-1)
     px = p[:, :gamma].gather(-1, idx).squeeze(-1)  # [B, gamma]
-    qx = torch.ones_like(px) if q is None else q.gather(-1, idx).squeeze(-1)
     u = torch.rand(B, gamma, generator=generator, device=p.device)
     # u < p/q written without the division: a token the draft could not have proposed (q = 0)
-    # is still accepted only where p > 0, and p = 0 is never accepted.
-    ok = u * qx < px
-    accepted = ok.long().cumprod(-1).sum(-1)  # [B] length of the accepted prefix
+    # is still accepted only where p > 0, and p = 0 is never accepted. (One-hot q: u * 1 is u.)
+    ok = u < px if q is None else u * q.gather(-1, idx).squeeze(-1) < px
+    accepted = ok.cumprod(-1).sum(-1)  # [B] length of the accepted prefix (a bool cumprod is int64)
 
+    rows = torch.arange(B, device=p.device)
     p_n = p[rows, accepted]  # [B, V] target distribution at the first rejected (or bonus) position
     rejected = accepted < gamma
     at = accepted.clamp(max=gamma - 1)
@@ -116,7 +115,7 @@ def verify_tree(
                 residual = (dist - q[child]).clamp(min=0)
             mass = residual.sum()
             # p == q up to rounding leaves no residual mass; that rejection had probability ~0
-            if mass > 0:
+            if float(mass) > 0:
                 dist = residual / mass
         else:
             return path, int(sample(dist, generator))

@@ -165,11 +165,13 @@ class SharedContext:
             own, ids = ids[:1 + park + per], ids[1 + park + per:]
             self.slots.append(LlamaSlot(self, own[0], own[1] if park else None, own[1 + park:], self.cells // slots))
 
-    def time_calls(self, sizes, context: int = 128, repeats: int = 3) -> dict[int, float]:
-        """Seconds of one llama_decode call over m tokens spread over the slots round robin (m = 6 over 4 slots:
-        2, 2, 1, 1 tokens), every slot `context` tokens in: the cost of the whole calls batching decides by (one
-        generation's table overstates them: measured, 4 x 1 token 127 ms, its 4-token pass 139 ms). The fastest
-        of `repeats` rounds. Run it while no generation is live (it uses every slot)."""
+    def time_calls(self, sizes, context: int = 128, repeats: int = 3, chunk_from: int = 32) -> dict[int, float]:
+        """Seconds of one llama_decode call over m tokens, every slot `context` tokens in: the cost of the whole calls
+        batching decides by (one generation's table overstates them: measured, 4 x 1 token 127 ms, its 4-token pass
+        139 ms). Below `chunk_from` the tokens are spread over the slots round robin, logits for each (m = 6 over 4
+        slots: 2, 2, 1, 1 tokens); from it, as the calls a prompt makes while others decode: one slot's chunk of
+        m - (slots - 1) tokens (logits for its last) and one token of each other slot. The fastest of `repeats`
+        rounds. Run it while no generation is live (it uses every slot)."""
         vocab = min(1000, self.lm.vocab_size)
         text = [(7 * i + 11) % vocab for i in range(context)]
         for slot in self.slots:
@@ -178,8 +180,9 @@ class SharedContext:
         n, best = len(self.slots), {}
         for _ in range(repeats):
             for m in sizes:
-                per = [m // n + (i < m % n) for i in range(n)]
-                tokens = [(1, context + k, [slot.seq0], True) for slot, c in zip(self.slots, per) for k in range(c)]
+                per = [m // n + (i < m % n) for i in range(n)] if m < chunk_from else [m - n + 1] + [1] * (n - 1)
+                tokens = [(1, context + k, [slot.seq0], m < chunk_from or k == c - 1)
+                          for slot, c in zip(self.slots, per) for k in range(c)]
                 t = time.perf_counter()
                 self._decode(tokens)
                 best[m] = min(best.get(m, float("inf")), time.perf_counter() - t)

@@ -174,22 +174,24 @@ class CachedLM(LM):
         error = self.tree_error()
         if error:
             raise SpecDecodeError(error)
-        n = len(parents)
-        total = start + n
-        allowed = torch.zeros(n, total, dtype=torch.bool)
-        allowed[:, :self.trunk] = True
-        positions = []
+        n, trunk = len(parents), self.trunk
+        total, width = start + n, start + n - trunk
+        # the columns past the trunk (which every token attends to): 1 where token j may not attend, written
+        # in a bytearray and read as one tensor (a tensor op per entry, or a list of floats, costs far more)
+        hidden, positions = bytearray(b"\x01") * (n * width), []
         for j, par in enumerate(parents):
             i = start + j
             if not -1 <= par < i:
                 raise ValueError(f"token {j} of a tree pass has parent {par}; a parent must come before it")
             positions.append(0 if par < 0 else (positions[par - start] if par >= start else self._position(par)) + 1)
-            allowed[j, i] = True
+            row = j * width - trunk  # hidden[row + c]: column c of token j
+            hidden[row + i] = 0
             a = par
-            while a >= self.trunk:
-                allowed[j, a] = True
-                a = parents[a - start] if a >= start else self.parent[a - self.trunk]
-        mask = torch.zeros(n, total, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            while a >= trunk:
+                hidden[row + a] = 0
+                a = parents[a - start] if a >= start else self.parent[a - trunk]
+        mask = torch.zeros(n, total, dtype=self.dtype)
+        mask[:, trunk:].masked_fill_(torch.frombuffer(hidden, dtype=torch.bool).view(n, width), torch.finfo(self.dtype).min)
         return {"attention_mask": mask[None, None].to(self.device),  # [1, 1, n, total]: additive
                 "position_ids": torch.tensor([positions], dtype=torch.long, device=self.device)}
 

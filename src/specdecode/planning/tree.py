@@ -182,9 +182,10 @@ class TreeDrafter:
                 x = int(sample(rest, generator))
                 c = float(q[x])
                 made.append(self._add(Node(x, parent, depth, v_parent * self.state.draft[min(r, 1)](c), c, r, rest)))
-                rest = rest.clone()
-                rest[x] = 0.0
-                rest = rest / rest.sum()
+                if r + 1 < k:  # the next sibling's q: without the ones drawn so far
+                    rest = rest.clone()
+                    rest[x] = 0.0
+                    rest = rest / rest.sum()
         return made
 
     def _drawn_children(self, q: torch.Tensor, v_parent: float) -> int:
@@ -232,6 +233,12 @@ class TreeDrafter:
     def _add_lookup(self, ids: list[int], max_depth: int, greedy: bool) -> None:
         """Join the lookup guesses to the tree (a guess equal to a node already there merges into it)."""
         where: list[int | None] = []  # guess -> its tree node (None: left out, with its subtree)
+        # up to 72 guesses a step: the first node at each (parent, token), and the nodes' summed value
+        # (summed again only once a node joins), rather than a scan of all nodes per guess
+        first: dict[tuple[int, int], int] = {}
+        for i, nd in enumerate(self.nodes):
+            first.setdefault((nd.parent, nd.token), i)
+        total = None
         for g in self.lookup.tree(ids, max_depth, MAX_LOOKUP_NODES):
             parent = -1 if g.parent < 0 else where[g.parent]
             where.append(None)
@@ -239,20 +246,21 @@ class TreeDrafter:
                 continue
             if not greedy and len(self.nodes) >= self.max_nodes:  # (a greedy tree is cut to size later)
                 continue
-            feature = lookup_feature(g)
-            value = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup(feature)
-            same = [i for i, nd in enumerate(self.nodes) if nd.parent == parent and nd.token == g.token]
-            if same:
-                where[-1] = same[0]
+            if (parent, g.token) in first:
+                where[-1] = first[parent, g.token]
                 continue
             if self.chains_only and any(nd.parent == parent for nd in self.nodes):
                 continue  # chains only: one child per node
+            feature = lookup_feature(g)
+            value = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup(feature)
             # one-hot, so droppable; but a sampled tree is not cut later, so decide now
-            if not greedy and self.adaptive and not pays(self._now, self.spent, 1.0 + sum(nd.value for nd in self.nodes),
-                                                         len(self.nodes), value):
-                continue
-            where[-1] = self._add(Node(g.token, parent, g.depth, value, None, lookup=feature, source=g.source,
-                                        guess=g))
+            if not greedy and self.adaptive:
+                total = sum(nd.value for nd in self.nodes) if total is None else total
+                if not pays(self._now, self.spent, 1.0 + total, len(self.nodes), value):
+                    continue
+            where[-1] = first[parent, g.token] = self._add(Node(g.token, parent, g.depth, value, None, lookup=feature,
+                                                                source=g.source, guess=g))
+            total = None
 
     def _select(self, params: SamplingParams) -> list[int]:
         if not params.greedy:

@@ -358,7 +358,8 @@ def serve(args) -> None:
         sys.stderr.write(f"specdecode: warning: listening on {args.host} without an API key (--api-key)\n")
     sys.stderr.write(f"specdecode: serving {model_id!r} at http://{args.host}:{args.port}/v1 "
                      f"(method {args.method}, gamma {args.gamma}, backend {engine.backend}, "
-                     f"{args.parallel} at once)\n")
+                     f"{args.parallel} at once" + (f", prompts read {slots.prefill_chunk} tokens a pass beside "
+                                                    "others' decoding" if slots else "") + ")\n")
     try:
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on, as uvicorn.run does not
