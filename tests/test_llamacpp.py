@@ -942,6 +942,19 @@ def _claims_amx(monkeypatch, probe: str):
     return L
 
 
+def test_amx_check_leaves_a_corrupt_file_to_llama_cpps_clear_error(files, tmp_path, monkeypatch):
+    """On a build with AMX kernels the check reads the file's tensor types first: a file that is not a GGUF must
+    still end in llama.cpp's clear error, not in the gguf reader's ValueError."""
+    import specdecode.backends.amx as L
+    monkeypatch.setattr(L, "_system_info", lambda lc: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |")
+    monkeypatch.setattr(L, "_amx_usable", {})
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file " * 64)
+    assert L._amx_weight_types(bad) == set()
+    with pytest.raises(SpecDecodeError, match="could not load"):
+        LlamaLM(bad, threads=THREADS)
+
+
 def test_amx_kernels_that_crash_turn_the_extra_buffers_off(files, monkeypatch, capfd):
     """GCC 12 builds of llama.cpp's AMX kernels die of a general protection fault on the first batched matmul:
     a child that dies of a signal marks the build unusable for that file, the model loads without extra

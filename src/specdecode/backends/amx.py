@@ -29,7 +29,10 @@ def _system_info(lc) -> bytes:
 def _amx_weight_types(path: Path) -> set[str]:
     """The file's tensor types that llama.cpp would put in AMX buffers."""
     import gguf
-    return {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors} & AMX_TYPES
+    try:
+        return {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors} & AMX_TYPES
+    except (OSError, ValueError):  # not a GGUF file llama.cpp could load either: its loading gives the clear error
+        return set()
 
 
 def amx_usable(path: str | Path, lc) -> bool:
