@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import SpecDecodeError
+from . import compute
 from .llamacpp import MAX_SEQ, N_BATCH, LlamaLM
 
 GUARD_S = 0.02  # a pass waits at most this long for live generations that have not asked for theirs yet
@@ -221,7 +222,7 @@ class SharedContext:
         batch.n_tokens = len(tokens)
         n_out = sum(1 for t in tokens if t[3])
         with self.lock:
-            rc = lc.llama_decode(self.ctx, batch)
+            rc = compute.call(lc.llama_decode, self.ctx, batch)
             if rc != 0:
                 raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched pass; "
                                       f"{self.cells} cells shared by {len(self.slots)} slots)")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import SpecDecodeError
+from . import compute
 from .amx import amx_usable
 from .base import LM
 
@@ -346,15 +347,13 @@ class LlamaLM(LM):
         lc, batch = self._lc, self._batch
         n_out = 0
         for i, (tok, p, seqs, want) in enumerate(tokens):
-            batch.token[i] = tok
-            batch.pos[i] = p
-            batch.n_seq_id[i] = len(seqs)
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, p, len(seqs)
             for k, s in enumerate(seqs):
                 batch.seq_id[i][k] = s
             batch.logits[i] = want
             n_out += want
         batch.n_tokens = len(tokens)
-        rc = lc.llama_decode(self._ctx, batch)
+        rc = compute.call(lc.llama_decode, self._ctx, batch)  # one thread for every pass (compute.py)
         if rc != 0:
             raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens, "
                                   f"{len(self.ids)} cached, n_ctx {self.max_length})")
