@@ -189,8 +189,11 @@ def test_costs_in_company_are_what_a_pass_adds():
     assert costs.at(128).t(1) == pytest.approx(0.079)  # alone: the table
     company[0] = 3
     now = costs.at(128)
-    assert now.t(1) == pytest.approx(0.181 - (0.119 + 0.181) / 2)  # T(4) - T(3), T(3) interpolated
+    assert now.t(1) == pytest.approx(0.181 / 4)  # its share of a call of 4 plain steps
+    assert now.t(2) == pytest.approx(0.462 / 4)  # as if every generation added one guess: the slow 8-token kernel
     assert now.t(5) / now.t(1) > 5  # 4 guesses push the pass to the slow kernel: dearer per token than plain
+    xeon = InCompany(CostModel({1: 0.062, 2: 0.097, 3: 0.122, 4: 0.114, 6: 0.172}), lambda: 2).at(128)
+    assert xeon.t(1) == pytest.approx(0.122 / 3) and xeon.t(2) == pytest.approx(0.172 / 3)  # not C(4) - C(3) < 0
     assert now.d(1) == pytest.approx(0.03) and now.d(2) == pytest.approx(0.04)  # the draft's passes: alone
 
 
