@@ -148,10 +148,10 @@ def call_costs(shared, n: int, path: Path, progress: bool = True) -> CostModel:
 class InCompany(CostModel):
     """What a generation's pass costs in a shared one: with b other generations in it, n tokens cost C(B n) / B,
     B = b + 1 (its share of a call where every generation does as it does), C the measured cost of whole calls
-    over several generations (`calls`; without it, one generation's table T; the draft's passes: its own table). The planner, reading these, weighs a guess
-    against a plain step at their cost in company: where a bigger pass costs about as much per token as
-    another plain step (compute-bound kernels) or jumps to a slower kernel, speculation shrinks or stops as
-    the batch grows; where a pass is flat in its size (memory-bound), guesses stay cheap."""
+    over several generations (`calls`; without it, one generation's table T; the draft's passes: its own
+    table). The planner, reading these, weighs a guess against a plain step at their cost in company: where a
+    bigger pass costs about as much per token as another plain step (compute-bound kernels) or jumps to a
+    slower kernel, speculation shrinks or stops as the batch grows; where a pass is flat in its size (memory-bound), guesses stay cheap."""
 
     static = False  # at() depends on the company of the moment
 
