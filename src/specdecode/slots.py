@@ -151,7 +151,8 @@ class InCompany(CostModel):
     over several generations (`calls`; without it, one generation's table T; the draft's passes: its own
     table). The planner, reading these, weighs a guess against a plain step at their cost in company: where a
     bigger pass costs about as much per token as another plain step (compute-bound kernels) or jumps to a
-    slower kernel, speculation shrinks or stops as the batch grows; where a pass is flat in its size (memory-bound), guesses stay cheap."""
+    slower kernel, speculation shrinks or stops as the batch grows; where a pass is flat in its size
+    (memory-bound), guesses stay cheap."""
 
     static = False  # at() depends on the company of the moment
 
