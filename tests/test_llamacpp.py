@@ -170,8 +170,9 @@ def test_a_llama_model_puts_torch_on_one_thread_until_a_torch_model_comes(files,
     import specdecode.backends.loading as loading
     before = torch.get_num_threads()
     monkeypatch.setattr(loading, "_torch_models", False)
-    monkeypatch.setattr(loading, "_TORCH_THREADS", 2)
+    monkeypatch.setattr(loading, "_lowered_from", None)
     try:
+        torch.set_num_threads(2)
         load_lm(str(files.target), "llama.cpp", threads=THREADS)
         assert torch.get_num_threads() == 1
         load_lm(str(files.target), "torch", dtype="fp32", device="cpu", progress=False)

@@ -23,12 +23,12 @@ from ..errors import SpecDecodeError
 from ..machine import cache_dir  # noqa: F401  (re-exported: specdecode.backends.cache_dir)
 from .torch_lm import CachedLM
 
-# torch's intra-op threads, as the process had them before a llama.cpp model lowered them to 1 (load_lm): torch
+# torch's intra-op threads before a llama.cpp model lowered them to 1 (load_lm), if it did: torch
 # ships the libgomp that llama.cpp's passes then use too, every thread that runs a parallel torch op (the
 # verifier's argmax and softmax over the vocabulary) keeps a pool of its own, and with more pool threads than
 # CPUs libgomp's barriers sleep instead of spinning. Measured, Xeon, 2 vCPUs, `serve` (the engine on a worker
 # thread): 11.0 tok/s, 15.3 with torch on one thread. A torch model loaded afterwards gets them back.
-_TORCH_THREADS = torch.get_num_threads()
+_lowered_from: int | None = None
 _torch_models = False
 
 
@@ -135,12 +135,13 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
     requantizations is fastest here (measured once, cached); "Q4_0"/"Q8_0" force one; None/"none" keep the file."""
     if quant is not None and quant not in DRAFT_QUANT_CHOICES:
         raise SpecDecodeError(f"unknown draft quantization {quant!r}; choose one of {', '.join(DRAFT_QUANT_CHOICES)}")
+    global _torch_models, _lowered_from
     backend = resolve_backend(backend, spec, device)
     if backend == "torch":
-        global _torch_models
         _torch_models = True
-        if threads or torch.get_num_threads() != _TORCH_THREADS:
-            torch.set_num_threads(threads or _TORCH_THREADS)
+        if threads or _lowered_from:
+            torch.set_num_threads(threads or _lowered_from)
+        _lowered_from = None
         return (*load_model(spec, dtype=dtype, device=device, progress=progress), backend)
     from .llamacpp import LlamaLM
     if dtype is not None:
@@ -158,7 +159,8 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
         from .quantize import requantize
         gguf, info = requantize(gguf, quant, threads), {"chosen": quant}
     lm = LlamaLM(gguf, threads=threads, exact=exact)
-    if not _torch_models:  # torch then only reads logits: one thread (see _TORCH_THREADS)
+    if not _torch_models and torch.get_num_threads() > 1:  # torch then only reads logits (see _lowered_from)
+        _lowered_from = torch.get_num_threads()
         torch.set_num_threads(1)
     lm.quant_info = info
     if spec in BUILTIN:  # the GGUF metadata carries one EOS; the chat models end documents with a second
