@@ -86,8 +86,7 @@ def test_every_pass_runs_on_one_compute_thread_whoever_asks(gguf, monkeypatch):
     threads = [threading.Thread(target=lambda: got.append(slot.forward(ids, last_only=True)))]
     threads[0].start()
     threads[0].join()
-    assert len(got) == 3 and all(torch.equal(g[-1], ref[-1]) or torch.allclose(g[-1], ref[-1], atol=5e-3)
-                                 for g in got)
+    assert len(got) == 3 and all(torch.allclose(g[-1], ref[-1], atol=5e-3) for g in got)
     assert len(callers) >= 4 and len(set(callers)) == 1 and callers[0] != threading.get_ident()
     assert compute.call(threading.get_ident) == callers[0]
 
