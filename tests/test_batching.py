@@ -312,9 +312,11 @@ def test_prefill_chunk_is_the_smallest_call_near_the_cheapest_per_token():
 def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monkeypatch):
     import json
     from specdecode.backends.batching import SharedContext
-    from specdecode.slots import costs_path, prefill_chunk_from
+    from specdecode.slots import CALLS_FORMAT, costs_path, prefill_chunk_from
     slots = Slots(engine, 2)
-    table = {int(k): v for k, v in json.loads(costs_path(engine.target, 2).read_text()).items()}
+    raw = json.loads(costs_path(engine.target, 2).read_text())
+    assert raw["format"] == CALLS_FORMAT
+    table = {int(k): v for k, v in raw["calls"].items()}
     assert {1, 2, 3, 4, 8, 32, 64, 128, 256} <= set(table) and all(v > 0 for v in table.values())
     assert slots.prefill_chunk == prefill_chunk_from(slots.calls) in (32, 64, 128, 256)
     assert all(e.target.prefill_chunk == slots.prefill_chunk for e in slots.engines)
@@ -325,3 +327,7 @@ def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monk
     monkeypatch.setattr(SharedContext, "time_calls", never)
     again = Slots(engine, 2)  # read from the cache
     assert again.calls.target == slots.calls.target
+    path = costs_path(engine.target, 2)  # a table of an older format (measured before the compute thread): again
+    path.write_text(json.dumps({str(k): v for k, v in table.items()}))
+    with pytest.raises(AssertionError, match="measured again"):
+        Slots(engine, 2)

@@ -110,6 +110,7 @@ class Slots:
 
 CALL_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # tokens in one call over several generations (time_calls)
 CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding
+CALLS_FORMAT = 2  # the cached table's format: 2, measured with every pass on the compute thread (1 was up to 25% slow)
 
 
 def prefill_chunk_from(calls: CostModel) -> int:
@@ -133,15 +134,16 @@ def call_costs(shared, n: int, path: Path, progress: bool = True) -> CostModel:
     room = shared.slots[0].max_length - 128  # time_calls: 128 tokens in each slot first
     sizes = [m for m in CALL_SIZES if m <= max(4 * n, 8)] + [m for m in CHUNK_SIZES if n <= m - n < room]
     try:
-        table = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
-        if set(sizes) <= set(table) and all(v > 0 for v in table.values()):
+        raw = json.loads(path.read_text())
+        table = {int(k): float(v) for k, v in raw["calls"].items()}
+        if raw.get("format") == CALLS_FORMAT and set(sizes) <= set(table) and all(v > 0 for v in table.values()):
             return CostModel(table)
-    except (OSError, ValueError, AttributeError):
-        pass  # none yet, damaged, or of an older version (without the chunk sizes): measure
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass  # none yet, damaged, or of an older format: measure
     if progress:
         sys.stderr.write(f"measuring batched pass costs for {n} slots (once per machine)...\n")
     table = shared.time_calls(sizes, chunk_from=min(CHUNK_SIZES))
-    write_json(path, table)
+    write_json(path, {"format": CALLS_FORMAT, "calls": table})
     return CostModel(table)
 
 

@@ -23,7 +23,8 @@ DRAFT_READ = 128  # one draft pass over this many tokens: what catching the draf
 CONTEXT = 128  # tokens already cached when timing the base table: a typical short prompt
 LONG_CONTEXTS = (1024, 2048)  # also timed where the model's context holds them: attention grows with the text
 LONG_SIZES = 16  # at the long contexts, passes up to this many tokens (past it: the base table's shape)
-FORMAT = 2  # the cache file's format: tables at several contexts, measured as they are (not made monotone)
+FORMAT = 3  # the cache file's format: tables at several contexts, measured as they are (not made monotone); 3: every
+# pass on the one compute thread (backends/compute.py; tables measured before it were up to 25% slow, libgomp's pools)
 # the long-context tables are timed only while their estimated time (reading the context, then the passes) fits
 # this budget: on a slow machine (bf16 torch on an AVX2-only CPU: minutes per table) the first run stays short,
 # and the costs there do not depend on the context length
