@@ -69,9 +69,9 @@ def test_long_prompt_is_read_in_chunks_while_others_decode(engine):
     seen = []
     real = slots.engines[1].target._shared.decode
 
-    def spy(batch):
+    def spy(batch, done=None):
         seen.extend(len(r[0]) for r in batch)
-        return real(batch)
+        return real(batch, done)
     slots.engines[1].target._shared.decode = spy
     # 96 new tokens: the short prompt's generation stays live while the long one is read, even if guard
     # timeouts on a loaded machine let it run a few steps ahead
@@ -159,12 +159,47 @@ def test_plan_split_follows_the_measured_cost():
 
 def test_lockstep_runs_a_thread_outside_any_generation_at_once():
     class Fake:
-        def decode(self, batch):
+        def decode(self, batch, done=None):
             for r in batch:
                 r[1] = [len(r[0])]
             return 1
     step = Lockstep()
     assert step.run(Fake(), [1, 2, 3]) == [3]
+
+
+def test_each_call_hands_its_passes_back_as_soon_as_it_ends():
+    """A short pass cut into the first call goes back to its generation while a long prompt's call still runs
+    (a short prompt's first token does not wait for a long one read in the same step)."""
+    step, release, got = Lockstep(guard_s=5.0), threading.Event(), {}
+
+    class Fake:
+        def decode(self, batch, done=None):
+            batch.sort(key=lambda r: len(r[0]))  # as SharedContext.decode: the shortest first
+            batch[0][1] = ["short"]
+            done(batch[:1])
+            assert release.wait(10)  # the long call runs until the short pass's thread has its rows
+            for r in batch[1:]:
+                r[1] = ["long"]
+            done(batch[1:])
+            return 2
+
+    def go(name, tokens, later):
+        with step.generation():
+            live.wait()
+            time.sleep(later)  # the short pass waits for the other live generation's, whose thread runs the call
+            got[name] = step.run(fake, tokens)
+    fake, live = Fake(), threading.Barrier(2)
+    short = threading.Thread(target=go, args=("short", [1], 0.0))
+    long = threading.Thread(target=go, args=("long", [1] * 100, 0.2))
+    short.start()
+    long.start()
+    short.join(5)
+    try:
+        assert got.get("short") == ["short"] and "long" not in got
+    finally:
+        release.set()
+        long.join(10)
+    assert got["long"] == ["long"] and step.passes == 2 and step.rows == 2
 
 
 def test_slots_need_a_backend_that_batches_and_no_exact_mode(gguf):
@@ -195,6 +230,26 @@ def test_costs_in_company_are_what_a_pass_adds():
     xeon = InCompany(CostModel({1: 0.062, 2: 0.097, 3: 0.122, 4: 0.114, 6: 0.172}), lambda: 2).at(128)
     assert xeon.t(1) == pytest.approx(0.122 / 3) and xeon.t(2) == pytest.approx(0.172 / 3)  # not C(4) - C(3) < 0
     assert now.d(1) == pytest.approx(0.03) and now.d(2) == pytest.approx(0.04)  # the draft's passes: alone
+
+
+def test_a_guess_in_company_pays_whatever_the_others_do():
+    """Zen 4, calls over 8 slots (ms, measured): a call of 16 tokens is cheaper than one of 12-15, and 8 plain rows go
+    cheapest as two calls of 4. As a share of a call where every slot guessed too, 3 guesses looked cheap (C(32) / 8);
+    beside the others' plain rows they make a call of 11 (real calls of 10-14 tokens: 1.3-1.6x the plain rows)."""
+    from specdecode.planning.costs import CostModel
+    from specdecode.slots import InCompany
+    zen4 = {1: 33.4, 2: 57.9, 3: 81.6, 4: 99.4, 5: 124.3, 6: 144.3, 7: 171.6, 8: 223.3, 9: 242.6, 10: 257.0,
+            11: 282.1, 12: 291.9, 13: 315.4, 14: 323.2, 15: 344.9, 16: 289.7, 20: 359.5, 24: 411.4}
+    calls = CostModel({k: v / 1000 for k, v in zen4.items()})
+    now = InCompany(CostModel({1: .035, 2: .07, 4: .13}), lambda: 7, calls).at(128)
+    plain = 2 * .0994 / 8
+    assert now.t(1) == pytest.approx(plain)  # 8 plain rows: two calls of 4, as plan_split cuts them
+    assert now.t(4) == pytest.approx(plain + (.1243 + .1443) - 2 * .0994)  # 11 tokens cut 5 + 6, less the 8 rows
+    assert now.t(4) > 3.7 * now.t(1)  # 3 guesses accepted at 0.95 each (3.7 tokens expected) no longer pay
+    share = InCompany(CostModel({1: .035}), lambda: 7, calls)._cut(calls)(32) / 8
+    assert share < 2.8 * plain < now.t(4)  # the share price alone said they did
+    solo = InCompany(CostModel({1: .035, 2: .07}), lambda: 0, calls).at(128)
+    assert solo.t(2) == .07  # alone: the generation's own table
 
 
 def _first_token_law(engine, prompt, params):
@@ -233,8 +288,8 @@ def test_sampled_law_with_company_is_the_targets(engine):
     shared = slots.engines[0].target._shared
     real = shared.decode
 
-    def swapped(batch):
-        made = real(batch)
+    def swapped(batch, done=None):
+        made = real(batch)  # without done: every row stays here until the swap
         rows = [r[1] for r in batch]
         if len({None if x is None else x.shape for x in rows}) == 1:
             for r, x in zip(batch, rows[::-1]):

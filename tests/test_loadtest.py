@@ -264,6 +264,9 @@ def test_llama_server_peers_on_a_tiny_gguf(tmp_path, capsys):
         assert all(r["usage_tokens"] == 8 for r in srv["requests"])
         assert "-np 2 -kvu -c 256" in srv["commands"]["2"]
     assert "--spec-type draft-simple" in results["servers"]["llama-server-draft"]["commands"]["1"]
+    said = "".join(capsys.readouterr())
+    order = [said.index(f"{n}, concurrency {c}:") for c in (1, 2) for n in ("llama-server", "llama-server-draft")]
+    assert order == sorted(order)  # level by level, the peers of a level back to back (the machine drifts)
 
 
 LLAMA_CPP_SERVER_MISSING = llama_cpp_server_missing()

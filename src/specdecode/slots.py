@@ -108,9 +108,12 @@ class Slots:
         return results
 
 
-CALL_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # tokens in one call over several generations (time_calls)
+# tokens in one call over several generations (time_calls): every size to 16, where kernels change (on a Zen 4 over 8
+# slots, ms: 8: 226, 12: 279, 14: 331, 16: 280; the 8/12/16 points alone priced a 14-token call at 268), then a few
+CALL_SIZES = tuple(range(1, 17)) + (20, 24)
 CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding
-CALLS_FORMAT = 2  # the cached table's format: 2, measured with every pass on the compute thread (1 was up to 25% slow)
+CALLS_FORMAT = 2  # the cached table's format: 2, measured with every pass on the compute thread (1 was up to 25% slow),
+# every size to 16
 
 
 def prefill_chunk_from(calls: CostModel) -> int:
@@ -148,9 +151,10 @@ def call_costs(shared, n: int, path: Path, progress: bool = True) -> CostModel:
 
 
 class InCompany(CostModel):
-    """What a generation's pass costs in a shared one: with b other generations in it, n tokens cost C(B n) / B,
-    B = b + 1 (its share of a call where every generation does as it does), C the measured cost of whole calls
-    over several generations (`calls`; without it, one generation's table T; the draft's passes: its own
+    """What a generation's pass costs in a shared one: with b other generations in it, n tokens cost the dearer of
+    C(B n) / B, B = b + 1 (its share of a call where every generation does as it does) and C(B) / B + C(b + n) -
+    C(B) (what it adds to the others' plain steps), C the cheapest cut of that many tokens into whole calls over
+    several generations as measured (`calls`; without it, one generation's table T; the draft's passes: its own
     table). The planner, reading these, weighs a guess against a plain step at their cost in company: where a
     bigger pass costs about as much per token as another plain step (compute-bound kernels) or jumps to a
     slower kernel, speculation shrinks or stops as the batch grows; where a pass is flat in its size
@@ -162,18 +166,40 @@ class InCompany(CostModel):
         super().__init__(base.target, base.draft, base.target_at, base.draft_at)
         self.company = company  # () -> tokens of the other generations in a pass
         self.calls = calls
+        self._memo: dict[int, float] = {}  # the cheapest cut of m tokens into measured calls (_cut)
 
     def at(self, context: int, draft_context: int | None = None) -> CostModel:
         now, b = super().at(context, draft_context), self.company()
         if b <= 0:
             return now
-        whole = self.calls or now
+        cut = self._cut(now)
         floor = 0.05 * now.t(1)  # a pass is never free
         # the draft's passes at their cost alone: the others' tokens are in the target's call, not the draft's
         # (which runs while they wait; priced as a share of others' draft calls, the 0.5B on a Zen 4 looked 2.6x
-        # cheaper in company of 8 than alone, and auto ran it there: 13-15 tok/s offline against 22 plain)
-        # priced as if every generation in the call did as this one: n tokens each, its share C(B n) / B, B = b + 1.
-        # Each slot plans alone, so pricing a guess at what it adds to the others' plain steps, C(b + n) - C(b),
-        # let every slot add one at once (measured, Xeon, 4 slots: auto 24.6-25.2 tok/s against 25.8-26.4 plain)
+        # cheaper in company of 8 than alone, and auto ran it there: 13-15 tok/s offline against 22 plain).
+        # n tokens: the dearer of two prices, so that a guess pays whatever the others do. (1) Its share of a call
+        # where every live generation does as this one, C(B n) / B, B = b + 1: each slot plans alone, so pricing
+        # only what a guess adds let every slot add one at once (Xeon, 4 slots: auto 24.6-25.2 tok/s against
+        # 25.8-26.4 plain, where C(4) < C(3) made a guess look free). (2) What it adds to the others' plain
+        # steps, C(b + n) - C(b + 1), over its plain share: where a call of every slot's guesses would reach a
+        # cheaper kernel but one slot's guesses alone do not (Zen 4, 8 slots: C(16) < C(12), so a guess looked
+        # nearly free as a share, while the real calls of 10-14 tokens cost 1.3-1.6x the 8 plain rows; auto
+        # 23.7-25.0 tok/s against 26.5-28.5 plain). C: the cheapest cut of that many tokens into calls.
         live = b + 1
-        return CostModel({n: max(floor, whole.t(live * n) / live) for n in now.target}, now.draft)
+        plain = cut(live) / live
+
+        def price(n: int) -> float:
+            return max(floor, cut(live * n) / live, plain + cut(b + n) - cut(live))
+        return CostModel({n: price(n) for n in now.target}, now.draft)
+
+    def _cut(self, now: CostModel):
+        """m -> seconds of m tokens in the cheapest cut into whole calls (as Lockstep's plan_split cuts the waiting
+        passes; tokens taken as divisible), on the measured calls (without them, one generation's table now)."""
+        whole = self.calls or now
+        memo = self._memo if self.calls is not None else {}
+
+        def cut(m: int) -> float:
+            for k in range(len(memo) + 1, m + 1):  # memo holds 1 .. len(memo)
+                memo[k] = min([whole.t(k)] + [memo[i] + memo[k - i] for i in range(1, k // 2 + 1)])
+            return memo[m] if m > 0 else 0.0
+        return cut

@@ -73,8 +73,15 @@ class Lockstep:
                     batch = self._queues.pop(ctx)
                     self._busy = True
                     self._cv.release()
+                    handed = [0]  # passes whose rows went back as soon as their call ended (done)
+
+                    def done(part: list) -> None:
+                        with self._cv:
+                            self._waiting -= len(part)
+                            handed[0] += len(part)
+                            self._cv.notify_all()
                     try:
-                        self.passes += ctx.decode(batch)
+                        self.passes += ctx.decode(batch, done)
                         self.rows += len(batch)
                     except BaseException as e:  # noqa: BLE001 (each thread raises its own request's error)
                         for r in batch:
@@ -83,7 +90,7 @@ class Lockstep:
                     finally:
                         self._cv.acquire()
                         self._busy = False
-                        self._waiting -= len(batch)
+                        self._waiting -= len(batch) - handed[0]
                         self._cv.notify_all()
                     deadline = time.monotonic() + self.guard_s
                 else:
@@ -193,8 +200,13 @@ class SharedContext:
             slot.reset()
         return dict(sorted(best.items()))
 
-    def decode(self, batch: list) -> int:
-        """Run the waiting passes (requests [tokens, rows, error], filled in here); returns the calls made."""
+    def decode(self, batch: list, done: Callable[[list], None] | None = None) -> int:
+        """Run the waiting passes (requests [tokens, rows, error], filled in here); returns the calls made. The
+        shortest passes go first (one-token steps before prompts' chunks, short prompts before long ones), and
+        `done(part)` hands each call's passes back as soon as it ends: a short prompt's first token does not wait
+        for a long prompt read in the same step (measured, Zen 4, 8 prompts arriving at once: every first token
+        came after both calls of their chunks, 7.0 s, llama-server's median 3.8 s)."""
+        batch.sort(key=lambda r: len(r[0]))
         sizes = [len(r[0]) for r in batch]
         groups = plan_split(sizes, self.cost)
         at = 0
@@ -211,6 +223,8 @@ class SharedContext:
             except Exception as e:  # every pass of the failed call fails, the others go on
                 for r in part:
                     r[2] = e
+            if done is not None:
+                done(part)
         return len(groups)
 
     def _decode(self, tokens: list) -> np.ndarray:

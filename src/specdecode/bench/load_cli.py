@@ -162,7 +162,8 @@ def loadtest(args) -> int:
 
 def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int], binary: str | None, results: dict,
                    log) -> None:
-    """--launch: each peer measured at every level (load_peers.measure_peer), into results["servers"]."""
+    """--launch: each peer measured at every level (load_peers.measure_peer), level by level, into
+    results["servers"]."""
     from .load_peers import DEFAULT_CTX, measure_peer
     from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
     target = args.target or DEFAULT_TARGET
@@ -175,12 +176,17 @@ def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int
         peers = [p for p in peers if p != "specdecode-p1"]
     results["config"].update(target=target, draft=draft, threads=threads, ctx_size=args.ctx_size,
                              llama_server=binary, serve_parallel_flag="--parallel" in flags)
-    for name in peers:
-        extra = shlex.split(args.llama_args if name.startswith("llama-server") else
-                            args.llama_cpp_python_args if name == "llama-cpp-python" else args.ours_args)
-        kw = dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None,
-                  target=target, draft=draft, llama_server=binary, serve_flags=flags, extra=extra)
-        results["servers"][name] = measure_peer(name, prompts, levels, max_tokens=args.max_tokens,
-                                                requests=args.requests, timeout=args.timeout,
-                                                out_dir=Path(args.out), argv_kw=kw,
-                                                ready_timeout=args.ready_timeout, rounds=args.rounds, log=log)
+    # level by level, every peer at a level back to back: this VM's speed drifts by up to ~20% within half an hour
+    # (measured, Zen 4: llama-batched-bench's prompt speed 102 -> 82 tok/s), so peers measured minutes apart differ
+    # by the machine as much as by themselves
+    for c in levels:
+        for name in peers:
+            extra = shlex.split(args.llama_args if name.startswith("llama-server") else
+                                args.llama_cpp_python_args if name == "llama-cpp-python" else args.ours_args)
+            kw = dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None,
+                      target=target, draft=draft, llama_server=binary, serve_flags=flags, extra=extra)
+            results["servers"][name] = measure_peer(name, prompts, [c], max_tokens=args.max_tokens,
+                                                    requests=args.requests, timeout=args.timeout,
+                                                    out_dir=Path(args.out), argv_kw=kw,
+                                                    ready_timeout=args.ready_timeout, rounds=args.rounds, log=log,
+                                                    result=results["servers"].get(name))

@@ -171,14 +171,16 @@ class Launched:
 
 def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_tokens: int, requests: int | None,
                  timeout: float, out_dir: Path, argv_kw: dict, ready_timeout: float = 900.0, rounds: int = 1,
-                 log=print) -> dict:
+                 log=print, result: dict | None = None) -> dict:
     """Launch peer `name` once per level, measure that level `rounds` times on that process, stop it. Level 1
     (first) gives the solo answers the later levels (and rounds) are checked against. Each level's summary
-    carries its round and the server's memory (procmem.MemorySampler: RSS before the round, its peak)."""
+    carries its round and the server's memory (procmem.MemorySampler: RSS before the round, its peak). `result`:
+    one from an earlier call for other levels of the same peer (the levels of several peers interleaved), added to."""
     from .load import measure_server
     from .procmem import MemorySampler
-    solo: dict[str, str] = {}
-    result = {"levels": [], "mismatches": [], "requests": [], "commands": {}, "solo": solo}
+    if result is None:
+        result = {"levels": [], "mismatches": [], "requests": [], "commands": {}, "solo": {}}
+    solo = result["solo"]
     for c in levels:
         port = free_port()
         argv = peer_argv(name, port=port, slots=c, **argv_kw)
