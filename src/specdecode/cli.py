@@ -95,6 +95,10 @@ def _serve_parser(sub) -> None:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     _backend_args(s)
     _lookup_args(s, history=True, history_default=0)  # off unless enabled: then kept per API key, outputs only
+    s.add_argument("--no-prompt-cache", action="store_true",
+                   help="read every prompt whole (default: a prompt that starts as the last one of the same API key on "
+                        "that slot did, such as a chat's system prompt or earlier turns, reads only what is new; its "
+                        "greedy output can then differ from a fresh read at a near-tie, as llama-server's cache_prompt)")
     s.add_argument("--speculation-sources", action="store_true",
                    help="responses carry per-source draft counts (with --history-tokens they tell of other outputs)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")

@@ -23,6 +23,7 @@ from .sampling import SamplingParams
 from .stats import Generation, Stats
 from .textstream import TextStream
 from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
+from .prefill import owned, prefill
 from .verify import verdict
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
@@ -31,12 +32,12 @@ AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured b
 
 def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
                        max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None,
-                       stats: Stats, exact: ExactLimits | None = None) -> Iterator[list[int]]:
+                       stats: Stats, exact: ExactLimits | None = None, scope: str | None = None) -> Iterator[list[int]]:
     """Yield newly committed token ids, step by step. stats is filled in as it goes. gamma: the most
     tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
     still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are
     bit-identical to plain decoding's (exactness.py)."""
-    ids, head = _prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy)
+    ids, head = prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy, scope)
     emitted = len(head)
     if head:
         stats.record(Draft([], None), 0, 1)
@@ -85,30 +86,6 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
             return
 
 
-def _prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_tokens: int, stats: Stats,
-             whole: bool) -> tuple[list[int], list[int]]:
-    """Both caches emptied, then given the prompt but its last token (it goes into the first target pass). With
-    `whole` (greedy) the target reads it all: (ids, head), head the argmax of its last row, as llama-cpp-python's
-    and HF's generation get it (ours then shares every rounding of the prompt with theirs); else head = []."""
-    if len(prompt_ids) >= target.max_length:
-        raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
-                              f"{target.max_length}, so no token can be generated")
-    target.reset()
-    target.reserve(len(prompt_ids) + max_new_tokens)
-    if drafter is not None:
-        drafter.reset()
-    ids, head, t = list(prompt_ids), [], time.perf_counter()
-    if whole:
-        head = [int(target.forward(ids, last_only=True)[-1].argmax())]
-        ids += head
-    elif len(ids) > 1:
-        target.forward(ids[:-1], last_only=True)
-    if drafter is not None and len(ids) > 1:
-        drafter.prefill(ids[:-1])
-    stats.prefill_s += time.perf_counter() - t
-    return ids, head
-
-
 class Engine:
     """Load the models once, generate many times.
 
@@ -128,9 +105,10 @@ class Engine:
 
     def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None, *,
                  history_tokens: int = 0, datastore: str | None = None, draft_window: int | None = DRAFT_WINDOW,
-                 exact: bool = False):
+                 exact: bool = False, prompt_cache: bool = False):
         self.tokenizer = tokenizer
         self.exact = bool(exact)  # the default of stream()/generate()'s exact
+        self.prompt_cache = bool(prompt_cache)  # a prompt reads only what the last one's cached text lacks (prefill)
         self.target = as_lm(target_model)  # an HF model (wrapped as a CachedLM) or an LM such as a LlamaLM
         self.vocab_size = self.target.vocab_size
         self.draft_model = None
@@ -279,7 +257,8 @@ class Engine:
                max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
                tree_width: int | None = None, tree_depth: int | None = None,
-               tree_nodes: int | None = None, exact: bool | None = None, history=None) -> "TextStream":
+               tree_nodes: int | None = None, exact: bool | None = None, history=None,
+               cache_scope: str = "") -> "TextStream":
         """An iterator of text deltas (never splitting a character or leaking a stop string);
         after it is exhausted, .result holds the Generation.
 
@@ -291,7 +270,9 @@ class Engine:
         tree_depth and tree_nodes (nodes per pass) fix the shape where given, the cost model the rest.
         exact (greedy only; default: the Engine's, for greedy requests): every target pass is one whose
         logits are bit-identical to plain decoding's (exactness.py): plain decoding's output, token for token.
-        history: the History this generation drafts from and adds its output to (default: the Engine's own)."""
+        history: the History this generation drafts from and adds its output to (default: the Engine's own).
+        cache_scope: with the Engine's prompt_cache, whose text this is (the server: an API key's hash): the
+        prompt reuses the target's cache only after a generation of the same scope; never in exact mode."""
         params = self.check(method=method, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_k=top_k, top_p=top_p, stop=stop, tree_width=tree_width, tree_depth=tree_depth,
                             tree_nodes=tree_nodes)
@@ -314,26 +295,35 @@ class Engine:
             generator.seed()  # nondeterministic, and leaves torch's global RNG alone
         else:
             generator.manual_seed(seed)
-        stats = Stats(method=method, gamma=gamma if m.uses_gamma else 0, prompt_tokens=len(prompt_ids))
-        depth_cap = gamma  # what one step may draft: a chain's length; a tree drafter's own depth cap
+        stats, depth_cap = self._stats(m, drafter, request, len(prompt_ids), limits)
+        scope = cache_scope if self.prompt_cache and limits is None else None  # exact: plain decoding's own prefill
+        steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
+                                   max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
+                                   generator=generator, stats=stats, exact=limits, scope=scope)
+        if scope is not None:
+            steps = owned(self.target, steps)
+        if request.history is not None:
+            steps = self._remember(request.history, steps)
+        return TextStream(self, self.lease.steps(steps), stats, stops)
+
+    def _stats(self, m, drafter, request: DraftRequest, prompt_tokens: int, limits: ExactLimits | None):
+        """A generation's Stats as its method describes it, and the depth one step may draft (a chain's length; a
+        planned drafter's own depth cap, within the exact pass sizes where those hold)."""
+        stats = Stats(method=m.name, gamma=request.gamma if m.uses_gamma else 0, prompt_tokens=prompt_tokens)
+        depth_cap = request.gamma
         if m.planned:
             if limits is not None:  # plan within the exact pass sizes
                 drafter.limit(max(limits.max_guesses, 1), chains_only=not limits.trees)
             depth_cap = drafter.max_depth
         if m.uses_cost_model:
-            stats.plain_step_s = self.costs.t(1, len(prompt_ids))
+            stats.plain_step_s = self.costs.t(1, prompt_tokens)
         if m.shape is not None:
             stats.tree = m.shape(self, drafter, request)
         if m.uses_lookup_sources and drafter.lookup is not None:
             stats.lookup_sources = drafter.lookup.sources
         elif m.prompt_lookup:
             stats.lookup_sources = ["context"]
-        steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
-                                   max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
-                                   generator=generator, stats=stats, exact=limits)
-        if request.history is not None:
-            steps = self._remember(request.history, steps)
-        return TextStream(self, self.lease.steps(steps), stats, stops)
+        return stats, depth_cap
 
     def _remember(self, history: History, steps: Iterator[list[int]]) -> Iterator[list[int]]:
         """Pass the steps through; when the generation ends (or is stopped), store its output (never the prompt)."""

@@ -63,6 +63,7 @@ class Slots:
                        "window", None))
             e.costs, e.datastore, e.progress = InCompany(costs, self._company, self.calls), engine.datastore, \
                 engine.progress
+            e.prompt_cache = engine.prompt_cache  # each slot reuses what its own cache holds
             target.prefill_chunk = self.prefill_chunk
             self.engines.append(e)
 

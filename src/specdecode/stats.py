@@ -21,6 +21,7 @@ class Stats:
     method: str = "autoregressive"
     gamma: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, read from the cache an earlier generation left (Engine prompt_cache)
     new_tokens: int = 0
     target_forwards: int = 0
     drafted: int = 0

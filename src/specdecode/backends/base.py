@@ -86,6 +86,22 @@ class LM(Protocol):
             prev = i
         return length, path
 
+    owner: str | None = None  # whose text the cache holds, for keep_prefix (None: nobody's, never reused)
+
+    def keep_prefix(self, ids: list[int]) -> int:
+        """Keep the longest cached stretch of committed text that starts `ids` (at most all of ids but its last
+        token, which a pass must read for its logits) and drop the rest; the kept length (0: the cache emptied).
+        A prompt that starts as the last one did (a chat's system prompt, a conversation's earlier turns) then
+        reads only what is new."""
+        n, most = 0, min(getattr(self, "trunk", 0), len(ids) - 1)
+        while n < most and self.ids[n] == ids[n]:
+            n += 1
+        if n:
+            self.rollback(n)
+        else:
+            self.reset()
+        return n
+
     def reserve(self, n: int) -> None:
         """Make room for n tokens of text before a generation starts (a backend whose cache is sized up
         front grows it here; the default does nothing)."""

@@ -90,7 +90,8 @@ class Service:
             raise refused
         self._admit()  # before the expensive work: tokenizing
         self._check_length(prompt, "messages" if endpoint == "chat" else "prompt")
-        job = Job(await self.open(body, endpoint, prompt, self._history(request)), endpoint, self.timeout_s)
+        job = Job(await self.open(body, endpoint, prompt, self._history(request), self._scope(request)), endpoint,
+                  self.timeout_s)
         self._admit(job)
         if body.stream:
             return EventStream(self.events(job, body, endpoint), self.worker, job)
@@ -134,17 +135,23 @@ class Service:
         for one), where the engine keeps a history at all: one key's outputs are never drafted from for another's."""
         if getattr(self.engine, "history", None) is None:
             return None
-        scope = hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()
+        scope = self._scope(request)
         history = self.histories.pop(scope, None) or History(self.engine.history.max_tokens)
         self.histories[scope] = history
         while len(self.histories) > MAX_HISTORY_SCOPES:
             self.histories.popitem(last=False)
         return history
 
+    @staticmethod
+    def _scope(request: Request) -> str:
+        """Whose request this is: a hash of the API key it sends (whether or not the server asks for one). Its output
+        history and the prompt cache serve that key only: one client's text never speeds up another's."""
+        return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()
+
     def _speculation(self, spec: dict) -> dict:
         return spec if self.show_sources else {k: v for k, v in spec.items() if k != "sources"}
 
-    async def open(self, body, endpoint: str, prompt, history: History | None = None):
+    async def open(self, body, endpoint: str, prompt, history: History | None = None, scope: str = ""):
         """The request as an Engine stream, opened (validated, tokenized) but not started."""
         spec = body.speculation or p.Speculation()
         chat = endpoint == "chat"
@@ -157,7 +164,8 @@ class Service:
                       top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                       seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop, chat=chat,
                       **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes", "exact")
-                         if getattr(spec, k) is not None}, **({} if history is None else {"history": history}))
+                         if getattr(spec, k) is not None}, **({} if history is None else {"history": history}),
+                      cache_scope=scope)
         param = "messages" if chat else "prompt"
         try:
             stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs)

@@ -1,0 +1,53 @@
+"""A generation's first work: the prompt into the target's cache (and the draft's), reusing what an earlier
+generation left there where the caller allows it (Engine(prompt_cache=True): a prompt that starts as the last one
+did, such as a chat's system prompt or a conversation's earlier turns, reads only what is new)."""
+from __future__ import annotations
+
+import time
+
+from .backends import LM
+from .drafters import Drafter
+from .errors import SpecDecodeError
+from .stats import Stats
+
+
+def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_tokens: int, stats: Stats,
+            whole: bool, scope: str | None = None) -> tuple[list[int], list[int]]:
+    """Both caches emptied, then given the prompt but its last token (it goes into the first target pass). With
+    `whole` (greedy) the target reads it all: (ids, head), head the argmax of its last row, as llama-cpp-python's
+    and HF's generation get it (ours then shares every rounding of the prompt with theirs); else head = [].
+    scope: where not None, the target keeps what it holds of the prompt's start if the last generation on it had
+    the same scope (LM.keep_prefix; an API key's: one client's text never speeds up another's); the draft reads
+    the text anew (lazily, where its drafter does)."""
+    if len(prompt_ids) >= target.max_length:
+        raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
+                              f"{target.max_length}, so no token can be generated")
+    keep = target.keep_prefix(prompt_ids) if scope is not None and target.owner == scope else 0
+    if not keep:
+        target.reset()
+    target.owner = None  # until the prompt is in: a failed read leaves nothing to reuse
+    stats.cached_prompt_tokens = keep
+    target.reserve(len(prompt_ids) + max_new_tokens)
+    if drafter is not None:
+        drafter.reset()
+    ids, head, t = list(prompt_ids), [], time.perf_counter()
+    if whole:
+        head = [int(target.forward(ids[keep:], last_only=True)[-1].argmax())]
+        ids += head
+    elif len(ids) - 1 > keep:
+        target.forward(ids[keep:-1], last_only=True)
+    if drafter is not None and len(ids) > 1:
+        drafter.prefill(ids[:-1])
+    target.owner = scope
+    stats.prefill_s += time.perf_counter() - t
+    return ids, head
+
+
+def owned(target: LM, steps):
+    """A generation's steps passed through; one that fails leaves the target's cache to nobody (after an error
+    inside a pass its bookkeeping may not be what the cache holds)."""
+    try:
+        yield from steps
+    except Exception:
+        target.owner = None
+        raise

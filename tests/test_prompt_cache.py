@@ -1,0 +1,106 @@
+"""The prompt cache (Engine(prompt_cache=True), prefill.py, LM.keep_prefix): a prompt that starts as the last one did
+reads only what is new, with the output of a fresh read; only within one scope (an API key), never in exact mode, and
+never after a generation that failed."""
+import pytest
+
+from specdecode import Engine
+from specdecode.errors import SpecDecodeError
+
+from tiny import byte_tokenizer, tiny_model
+
+FIRST = "the cat sat on the mat; the cat sat on the"
+
+
+@pytest.fixture(scope="module", params=["torch", "llama.cpp"])
+def engines(request, tmp_path_factory):
+    """(with the prompt cache, without it) on the same weights."""
+    tok = byte_tokenizer()
+    if request.param == "torch":
+        model = tiny_model(0)
+        return Engine(model, tok, prompt_cache=True), Engine(model, tok)
+    pytest.importorskip("llama_cpp")
+    from specdecode.backends.llamacpp import LlamaLM
+    from tinygguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path_factory.mktemp("prompt_cache") / "tiny.gguf", 0, hidden=128)
+    return Engine(LlamaLM(gguf, threads=1), tok, prompt_cache=True), Engine(LlamaLM(gguf, threads=1), tok)
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "pld", "auto"])
+def test_a_prompt_that_starts_as_the_last_reads_only_what_is_new(engines, method):
+    cached, fresh = engines
+    first = cached.generate(FIRST, method=method, max_new_tokens=12, cache_scope="k")
+    turn = FIRST + first.text + " and then?"  # a conversation's next turn: the last text, then more
+    second = cached.generate(turn, method=method, max_new_tokens=24, cache_scope="k")
+    # the cache held the first prompt and its output but the last token (the loop keeps that one uncached); the
+    # tiny model's bytes need not decode and encode back to themselves, so the prompts share what they share
+    held, ids = cached.encode(FIRST) + first.token_ids[:-1], cached.encode(turn)
+    common = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
+    assert common >= len(cached.encode(FIRST)) and second.stats.cached_prompt_tokens == common
+    assert second.token_ids == fresh.generate(turn, method=method, max_new_tokens=24).token_ids
+    again = cached.generate(turn, method=method, max_new_tokens=24, cache_scope="k")  # the same prompt: all but
+    assert again.stats.cached_prompt_tokens == len(cached.encode(turn)) - 1  # its last token, whose row is read
+    assert again.token_ids == second.token_ids
+
+
+def test_sampled_output_follows_the_seed_with_or_without_the_cache(engines):
+    cached, fresh = engines
+    cached.generate(FIRST, max_new_tokens=4, cache_scope="k")
+    kw = dict(method="pld", temperature=1.0, seed=7, max_new_tokens=16)
+    out = cached.generate(FIRST + " and", cache_scope="k", **kw)
+    assert out.stats.cached_prompt_tokens > 0
+    assert out.token_ids == fresh.generate(FIRST + " and", **kw).token_ids
+
+
+def test_the_cache_is_reused_within_its_scope_only(engines):
+    cached, _ = engines
+    cached.generate(FIRST, max_new_tokens=4, cache_scope="alice")
+    assert cached.generate(FIRST, max_new_tokens=4, cache_scope="bob").stats.cached_prompt_tokens == 0
+    assert cached.generate(FIRST, max_new_tokens=4, cache_scope="bob").stats.cached_prompt_tokens > 0
+    if cached.target.backend == "torch":  # (the tiny llama.cpp model is not loaded for exact mode)
+        assert cached.generate(FIRST, max_new_tokens=4, cache_scope="bob", exact=True).stats.cached_prompt_tokens == 0
+    assert cached.generate(FIRST, max_new_tokens=4).stats.cached_prompt_tokens == 0  # scope "" after "bob"
+    _, fresh = engines
+    fresh.generate(FIRST, max_new_tokens=4)
+    assert fresh.generate(FIRST, max_new_tokens=4).stats.cached_prompt_tokens == 0  # off unless asked for
+
+
+def test_a_generation_that_fails_leaves_nothing_to_reuse(engines, monkeypatch):
+    cached, fresh = engines
+    cached.generate(FIRST, max_new_tokens=4, cache_scope="k")
+    real, calls = cached.target.forward, [0]
+
+    def flaky(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:  # a pass inside the steps, after the prompt was read
+            raise SpecDecodeError("injected failure")
+        return real(*a, **k)
+    monkeypatch.setattr(cached.target, "forward", flaky)
+    with pytest.raises(SpecDecodeError, match="injected"):
+        cached.generate(FIRST + " x", method="autoregressive", max_new_tokens=8, cache_scope="k")
+    monkeypatch.setattr(cached.target, "forward", real)
+    out = cached.generate(FIRST + " x", method="autoregressive", max_new_tokens=8, cache_scope="k")
+    assert out.stats.cached_prompt_tokens == 0
+    assert out.token_ids == fresh.generate(FIRST + " x", method="autoregressive", max_new_tokens=8).token_ids
+
+
+def test_the_server_reuses_a_prompt_for_the_same_api_key_only():
+    """`serve` (prompt cache on): the cached part shows in the response's speculation stats; a request with another
+    key reads its prompt whole, so that its latency tells nothing of another client's text."""
+    import httpx
+    from helpers import LiveServer
+    from specdecode.server import create_app
+    tok = byte_tokenizer()
+    engine = Engine(tiny_model(0), tok, prompt_cache=True)
+    srv = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1))
+    try:
+        def cached(key: str) -> int:
+            r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "tiny", "prompt": FIRST, "max_tokens": 4}, timeout=60)
+            assert r.status_code == 200
+            return r.json()["speculation"]["cached_prompt_tokens"]
+        assert cached("alice") == 0
+        assert cached("alice") == len(tok.encode(FIRST)) - 1
+        assert cached("bob") == 0  # another key: its prompt read whole
+        assert cached("bob") > 0
+    finally:
+        srv.stop()
