@@ -104,3 +104,32 @@ def test_the_server_reuses_a_prompt_for_the_same_api_key_only():
         assert cached("bob") > 0
     finally:
         srv.stop()
+
+
+def test_a_conversation_goes_back_to_the_slot_that_holds_it(tmp_path):
+    """serve --parallel 3: three conversations, one after another, then each one's next turn while every slot is
+    idle: each goes to the slot that holds its first turn and reads only what is new (by chance: 1 in 6)."""
+    pytest.importorskip("llama_cpp")
+    import httpx
+    from helpers import LiveServer
+    from specdecode.backends.llamacpp import LlamaLM
+    from specdecode.server import create_app
+    from specdecode.slots import Slots
+    from tinygguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
+    engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
+    engine.progress = False
+    live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=Slots(engine, 3)))
+    try:
+        def ask(prompt: str) -> dict:
+            r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4},
+                           timeout=60)
+            assert r.status_code == 200
+            return r.json()
+        firsts = [f"conversation {k}: " + "xyz " * (10 + 5 * k) for k in range(3)]
+        for prompt in firsts:
+            ask(prompt)
+        for prompt in firsts[::-1]:  # one at a time, every slot idle when each arrives
+            assert ask(prompt + "more")["speculation"]["cached_prompt_tokens"] >= len(prompt)
+    finally:
+        live.stop()

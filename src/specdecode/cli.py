@@ -96,8 +96,8 @@ def _serve_parser(sub) -> None:
     _backend_args(s)
     _lookup_args(s, history=True, history_default=0)  # off unless enabled: then kept per API key, outputs only
     s.add_argument("--no-prompt-cache", action="store_true",
-                   help="read every prompt whole (default: a prompt that starts as the last one of the same API key on "
-                        "that slot did, such as a chat's system prompt or earlier turns, reads only what is new; its "
+                   help="read every prompt whole (default: a prompt that starts as the last one of the same API key "
+                        "on that slot did, such as a chat's system prompt or earlier turns, reads only what is new; "
                         "greedy output can then differ from a fresh read at a near-tie, as llama-server's cache_prompt)")
     s.add_argument("--speculation-sources", action="store_true",
                    help="responses carry per-source draft counts (with --history-tokens they tell of other outputs)")

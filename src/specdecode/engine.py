@@ -304,7 +304,9 @@ class Engine:
             steps = owned(self.target, steps)
         if request.history is not None:
             steps = self._remember(request.history, steps)
-        return TextStream(self, self.lease.steps(steps), stats, stops)
+        out = TextStream(self, self.lease.steps(steps), stats, stops)
+        out.prompt_ids, out.cache_scope = prompt_ids, scope  # where a server runs it: a slot that holds its start
+        return out
 
     def _stats(self, m, drafter, request: DraftRequest, prompt_tokens: int, limits: ExactLimits | None):
         """A generation's Stats as its method describes it, and the depth one step may draft (a chain's length; a

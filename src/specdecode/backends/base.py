@@ -93,13 +93,18 @@ class LM(Protocol):
         token, which a pass must read for its logits) and drop the rest; the kept length (0: the cache emptied).
         A prompt that starts as the last one did (a chat's system prompt, a conversation's earlier turns) then
         reads only what is new."""
-        n, most = 0, min(getattr(self, "trunk", 0), len(ids) - 1)
-        while n < most and self.ids[n] == ids[n]:
-            n += 1
+        n = self.cached_prefix(ids)
         if n:
             self.rollback(n)
         else:
             self.reset()
+        return n
+
+    def cached_prefix(self, ids: list[int]) -> int:
+        """How much of `ids` keep_prefix would keep (the cache left as it is)."""
+        n, most = 0, min(getattr(self, "trunk", 0), len(ids) - 1)
+        while n < most and self.ids[n] == ids[n]:
+            n += 1
         return n
 
     def reserve(self, n: int) -> None:

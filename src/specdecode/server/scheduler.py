@@ -1,16 +1,15 @@
 """The worker: one thread runs the Engine, fed by a bounded first-come-first-served queue of jobs.
 
-The Engine is not thread-safe (one KV cache per model), so every generation runs on this one thread.
-A job is an Engine TextStream that the request handler already opened (validated and tokenized) but
-that has not started. The worker iterates it and hands each event to the job's asyncio queue
-(loop.call_soon_threadsafe): ("delta", text) for each piece of text, then ("end", End) or
-("error", APIError). Worker.events reads them on the request's side; nothing here knows about HTTP.
+The Engine is not thread-safe (one KV cache per model), so every generation runs on this one thread. A job is an
+Engine TextStream that the request handler already opened (validated and tokenized) but that has not started. The
+worker iterates it and hands each event to the job's asyncio queue (loop.call_soon_threadsafe): ("delta", text) for
+each piece of text, then ("end", End) or ("error", APIError). Worker.events reads them on the request's side; nothing
+here knows about HTTP.
 
-Cancellation: a waiting job is taken out of the queue; a running one stops at its next step (the
-stream's `interrupt`, checked after every step whether or not it emitted text). A client that goes away
-is noticed within POLL_S, while its events flow too. Deadlines: a job still waiting at its deadline gets
-a 503 (Worker.events); a running job that passes it ends at its next step with finish_reason "length"
-("timeout" in its speculation stats).
+Cancellation: a waiting job is taken out of the queue; a running one stops at its next step (the stream's `interrupt`,
+checked after every step whether or not it emitted text). A client that goes away is noticed within POLL_S, while its
+events flow too. Deadlines: a job still waiting at its deadline gets a 503 (Worker.events); a running job that passes
+it ends at its next step with finish_reason "length" ("timeout" in its speculation stats).
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..errors import SpecDecodeError
+from .affinity import slot_for
 from .protocol import APIError, engine_error
 
 log = logging.getLogger("specdecode.server")
@@ -157,6 +157,7 @@ class Worker:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
+        self._idle, self._used = set(), [-math.inf] * len(self._engines)  # workers waiting; when each last ended a job
         self._threads: list[threading.Thread | None] = [None] * len(self._engines)
         self._stopping = False
         self._closed = False  # closed by a shutdown: new jobs are refused until start()
@@ -305,15 +306,25 @@ class Worker:
                 self._cv.wait(left)
             return True
 
+    def _take(self, i: int) -> Job | None:
+        """The first waiting job for worker i (under _cv), but one that suits another idle slot better (affinity)."""
+        for job in self._waiting:
+            if len(self._engines) == 1 or slot_for(job, self._engines, sorted(self._idle | {i}), self._used, i) == i:
+                self._waiting.remove(job)
+                return job
+            self._cv.notify_all()  # wake that slot: it takes the job, being the best for it among the idle
+        return None
+
     def _loop(self, i: int) -> None:
         engine = self._engines[i]
         while True:
             with self._cv:
-                while not self._waiting and not self._stopping:
+                while not self._stopping and (job := self._take(i)) is None:
+                    self._idle.add(i)
                     self._cv.wait()
+                    self._idle.discard(i)
                 if self._stopping:
                     return
-                job = self._waiting.popleft()
                 self._running.append(job)
                 job.started = True
             t0 = time.monotonic()
@@ -337,6 +348,7 @@ class Worker:
             finally:
                 self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - t0)
                 with self._cv:
+                    self._used[i] = time.monotonic()
                     self._running.remove(job)
                     self._cv.notify_all()
 
