@@ -1,0 +1,24 @@
+"""Two-turn chat against a server: TTFT of each turn (streamed). argv: URL, prompt file (jsonl, first row), turns' max_tokens."""
+import json, sys, time, httpx
+url, path = sys.argv[1], sys.argv[2]
+row = json.loads(open(path).readline())
+doc = row["turns"][0]
+msgs = [{"role": "user", "content": doc}]
+def turn(msgs):
+    t0 = time.perf_counter(); first = None; text = ""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={"model": sys.argv[3] if len(sys.argv) > 3 else "qwen2.5-coder-1.5b-instruct", "messages": msgs, "max_tokens": 32,
+                      "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                d = json.loads(line[6:])
+                if d.get("choices") and d["choices"][0]["delta"].get("content"):
+                    first = first or time.perf_counter() - t0
+                    text += d["choices"][0]["delta"]["content"]
+                if d.get("usage"): usage = d["usage"]
+    return first, time.perf_counter() - t0, text, usage
+out = []
+for k in range(3):
+    f, tot, text, usage = turn(msgs)
+    out.append({"turn": k + 1, "prompt_tokens": usage["prompt_tokens"], "ttft_s": round(f, 2), "total_s": round(tot, 2)})
+    print(out[-1], flush=True)
+    msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": ["Say more.", "And then?", "Thanks."][k]}]
