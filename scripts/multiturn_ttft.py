@@ -1,4 +1,11 @@
-"""Two-turn chat against a server: TTFT of each turn (streamed). argv: URL, prompt file (jsonl, first row), turns' max_tokens."""
+"""A three-turn chat against an OpenAI-compatible server: time to the first token of each turn (streamed, greedy,
+32 new tokens a turn), to see what a prompt cache saves on a conversation's later turns.
+
+    python scripts/multiturn_ttft.py URL DEVSET.jsonl [MODEL]
+
+DEVSET.jsonl: rows with `turns` (the first row's first turn opens the chat), e.g. from scripts/longprompt_devset.py.
+MODEL: the model id the server serves (default qwen2.5-coder-1.5b-instruct).
+"""
 import json, sys, time, httpx
 url, path = sys.argv[1], sys.argv[2]
 row = json.loads(open(path).readline())
