@@ -133,3 +133,14 @@ def test_a_conversation_goes_back_to_the_slot_that_holds_it(tmp_path):
             assert ask(prompt + "more")["speculation"]["cached_prompt_tokens"] >= len(prompt)
     finally:
         live.stop()
+
+
+def test_load_and_serve_set_the_prompt_cache(tiny_dirs, monkeypatch):
+    """Engine.load(prompt_cache=...) (what `serve` and `serve --ray` load with: on unless --no-prompt-cache)."""
+    from specdecode.cli import build_parser
+    target, _ = tiny_dirs
+    assert Engine.load(str(target), with_draft=False, progress=False, prompt_cache=True).prompt_cache
+    assert not Engine.load(str(target), with_draft=False, progress=False).prompt_cache
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).no_prompt_cache is False
+    assert parser.parse_args(["serve", "--no-prompt-cache"]).no_prompt_cache is True

@@ -156,7 +156,7 @@ class Engine:
              threads: int | None = None, draft_quant: str = "auto", history_tokens: int = 0,
              datastore: str | None = None, draft_vocab: int | None = None,
              draft_vocab_from: str | None = None, draft_window: int | None = DRAFT_WINDOW,
-             exact: bool = False) -> "Engine":
+             exact: bool = False, prompt_cache: bool = False) -> "Engine":
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
@@ -167,7 +167,8 @@ class Engine:
         draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab. draft_window: the
         draft model sees only about the last this many tokens (None: the whole text), see DraftModel.
         exact: load the target for exact greedy mode and make it every greedy generation's default (see
-        stream); on llama.cpp the target then runs with flash attention on (see exactness.py)."""
+        stream); on llama.cpp the target then runs with flash attention on (see exactness.py). prompt_cache: see
+        Engine (prefill.py)."""
         from .backends.loading import DEFAULT_DRAFT, DEFAULT_TARGET, check_draft_vocab, load_draft_lm, load_lm
         if target is None:
             target = DEFAULT_TARGET
@@ -189,7 +190,7 @@ class Engine:
             d_model, d_tok, d_backend = load_draft_lm(draft, backend, dtype=dtype, device=device, progress=progress,
                                                       threads=threads, quant=draft_quant)
         engine = cls(t_model, t_tok, d_model, d_tok, history_tokens=history_tokens, datastore=datastore,
-                     draft_window=draft_window, exact=exact)
+                     draft_window=draft_window, exact=exact, prompt_cache=prompt_cache)
         engine.progress = progress
         if draft_vocab is not None and engine.draft_model is not None:
             engine.truncate_draft_vocab(draft_vocab, draft_vocab_from)

@@ -338,8 +338,8 @@ def serve(args) -> None:
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=wants_draft_model([args.method]) or args.draft is not None,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore, history_tokens=args.history_tokens)
-    engine.prompt_cache = not args.no_prompt_cache  # per API key (Service._scope); slots copy it
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore, history_tokens=args.history_tokens,
+                         prompt_cache=not args.no_prompt_cache)  # per API key (Service._scope); slots copy it
     engine.tree_costs()  # measure pass costs now (once per machine): any request may ask for a method that uses them
     if args.ctx_size is not None:  # after measuring, which times passes at long contexts
         if args.ctx_size > engine.target.max_length:
