@@ -17,14 +17,11 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     `whole` (greedy) the target reads it all: (ids, head), head the argmax of its last row, as llama-cpp-python's
     and HF's generation get it (ours then shares every rounding of the prompt with theirs); else head = [].
     scope: where not None, the target keeps what it holds of the prompt's start if the last generation on it had
-    the same scope (LM.keep_prefix; an API key's: one client's text never speeds up another's); the draft reads
-    the text anew (lazily, where its drafter does)."""
+    the same scope (LM.keep_prefix); the draft reads the text anew (lazily, where its drafter does)."""
     if len(prompt_ids) >= target.max_length:
         raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
                               f"{target.max_length}, so no token can be generated")
-    keep = target.keep_prefix(prompt_ids) if scope is not None and target.owner == scope else 0
-    if not keep:
-        target.reset()
+    keep = target.keep_prefix(prompt_ids, scope)  # 0: the cache emptied
     target.owner = None  # until the prompt is in: a failed read leaves nothing to reuse
     stats.cached_prompt_tokens = keep
     target.reserve(len(prompt_ids) + max_new_tokens)

@@ -88,20 +88,24 @@ class LM(Protocol):
 
     owner: str | None = None  # whose text the cache holds, for keep_prefix (None: nobody's, never reused)
 
-    def keep_prefix(self, ids: list[int]) -> int:
+    def keep_prefix(self, ids: list[int], scope: str | None) -> int:
         """Keep the longest cached stretch of committed text that starts `ids` (at most all of ids but its last
         token, which a pass must read for its logits) and drop the rest; the kept length (0: the cache emptied).
         A prompt that starts as the last one did (a chat's system prompt, a conversation's earlier turns) then
         reads only what is new."""
-        n = self.cached_prefix(ids)
+        n = self.cached_prefix(ids, scope)
         if n:
             self.rollback(n)
         else:
             self.reset()
         return n
 
-    def cached_prefix(self, ids: list[int]) -> int:
-        """How much of `ids` keep_prefix would keep (the cache left as it is)."""
+    def cached_prefix(self, ids: list[int], scope: str | None) -> int:
+        """How much of `ids` keep_prefix would keep (the cache left as it is): nothing unless the text was left by
+        a generation of the same scope (None: never; an API key's hash in the server: one client's text never
+        speeds up another's)."""
+        if scope is None or self.owner != scope:
+            return 0
         n, most = 0, min(getattr(self, "trunk", 0), len(ids) - 1)
         while n < most and self.ids[n] == ids[n]:
             n += 1

@@ -179,14 +179,16 @@ def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int
     # level by level, every peer at a level back to back: this VM's speed drifts by up to ~20% within half an hour
     # (measured, Zen 4: llama-batched-bench's prompt speed 102 -> 82 tok/s), so peers measured minutes apart differ
     # by the machine as much as by themselves
+    argv_kw = {name: dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None,
+                          target=target, draft=draft, llama_server=binary, serve_flags=flags,
+                          extra=shlex.split(args.llama_args if name.startswith("llama-server") else
+                                            args.llama_cpp_python_args if name == "llama-cpp-python" else
+                                            args.ours_args))
+               for name in peers}
     for c in levels:
         for name in peers:
-            extra = shlex.split(args.llama_args if name.startswith("llama-server") else
-                                args.llama_cpp_python_args if name == "llama-cpp-python" else args.ours_args)
-            kw = dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None,
-                      target=target, draft=draft, llama_server=binary, serve_flags=flags, extra=extra)
             results["servers"][name] = measure_peer(name, prompts, [c], max_tokens=args.max_tokens,
                                                     requests=args.requests, timeout=args.timeout,
-                                                    out_dir=Path(args.out), argv_kw=kw,
+                                                    out_dir=Path(args.out), argv_kw=argv_kw[name],
                                                     ready_timeout=args.ready_timeout, rounds=args.rounds, log=log,
                                                     result=results["servers"].get(name))

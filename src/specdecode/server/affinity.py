@@ -7,9 +7,8 @@ from __future__ import annotations
 
 def held(engine, job) -> int:
     """Prompt tokens of `job` that this engine's target cache holds for it (0 unless the same scope left them)."""
-    target, ids = engine.target, getattr(job.stream, "prompt_ids", None)
-    scope = getattr(job.stream, "cache_scope", None)
-    return target.cached_prefix(ids) if ids and scope is not None and target.owner == scope else 0
+    ids = getattr(job.stream, "prompt_ids", None)
+    return engine.target.cached_prefix(ids, getattr(job.stream, "cache_scope", None)) if ids else 0
 
 
 def slot_for(job, engines: list, idle: list[int], used: list[float], i: int) -> int:

@@ -264,7 +264,7 @@ def serve_ray(args) -> None:
                   dtype=args.dtype, device=args.device, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                   draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact,
                   datastore=args.datastore, history_tokens=args.history_tokens,
-                  prompt_cache=not getattr(args, "no_prompt_cache", False))
+                  prompt_cache=not args.no_prompt_cache)
     import ray
     from ray import serve
     start(args.host, args.port)
