@@ -65,7 +65,7 @@ def test_mixed_methods_lengths_and_sampling_run_together(engine):
 
 def test_long_prompt_is_read_in_chunks_while_others_decode(engine):
     slots = Slots(engine, 2, prefill_chunk=16)
-    long = "lorem ipsum dolor sit amet " * 8  # 216 byte tokens: 14 chunks of 16
+    long = "lorem ipsum dolor sit amet " * 8  # 216 byte tokens: 12 chunks of 16, then the last 24 (<= 1.5 chunks) in one
     seen = []
     real = slots.engines[1].target._shared.decode
 
@@ -73,11 +73,58 @@ def test_long_prompt_is_read_in_chunks_while_others_decode(engine):
         seen.extend(len(r[0]) for r in batch)
         return real(batch, done)
     slots.engines[1].target._shared.decode = spy
-    # 96 new tokens: the short prompt's generation stays live while the long one is read, even if guard
-    # timeouts on a loaded machine let it run a few steps ahead
-    outs = slots.generate_many([PROMPTS[0], long], method="autoregressive", max_new_tokens=96)
-    assert outs[1].token_ids == engine.generate(long, method="autoregressive", max_new_tokens=96).token_ids
-    assert seen.count(16) >= 13 and max(seen) < 100  # the 216-token prompt went in chunks of 16
+    decoding, short = threading.Event(), []
+
+    def decode_short():  # 96 new tokens: it decodes while the long prompt is read
+        with slots.generation():
+            for piece in slots.engines[0].stream(PROMPTS[0], method="autoregressive", max_new_tokens=96):
+                decoding.set()
+                short.append(piece)
+    t = threading.Thread(target=decode_short)
+    t.start()
+    assert decoding.wait(60)
+    seen.clear()
+    out = slots.run(1, long, method="autoregressive", max_new_tokens=8)
+    t.join(60)
+    assert out.token_ids == engine.generate(long, method="autoregressive", max_new_tokens=8).token_ids
+    assert seen.count(16) >= 12 and max(seen) < 100  # the 216-token prompt went in chunks of 16
+
+
+def test_a_prompt_is_read_whole_while_no_other_generation_decodes(engine):
+    """Chunks protect decoding generations' steps: with nobody decoding (alone, or every other live generation
+    reading its own prompt) a prompt is read in passes of up to N_BATCH; beside a decoding one, in chunks."""
+    from specdecode.backends.llamacpp import N_BATCH
+    slots = Slots(engine, 3, prefill_chunk=16)
+    lock, slot = slots.lockstep, slots.engines[0].target
+    assert slot.feed_step(700) == N_BATCH and slot.feed_step(200) == 200  # nobody live
+    with lock.generation(), slot.feeding():
+        assert slot.feed_step(200) == 200  # alone
+        other, feed, stop = threading.Event(), threading.Event(), threading.Event()
+
+        def live_other():
+            with lock.generation():
+                other.set()
+                feed.wait(10)
+                with lock.feeding():  # the other generation reads its prompt now
+                    other.set()
+                    stop.wait(10)
+        t = threading.Thread(target=live_other)
+        t.start()
+        try:
+            assert other.wait(10)
+            other.clear()
+            assert lock.others_decoding() == 1
+            assert slot.feed_step(200) == 16  # beside a decoding generation: a chunk
+            assert slot.feed_step(24) == 24 and slot.feed_step(25) == 16  # a rest of <= 1.5 chunks goes whole
+            feed.set()
+            assert other.wait(10)
+            assert lock.others_decoding() == 0 and slot.feed_step(200) == 200  # it reads a prompt too
+        finally:
+            feed.set()
+            stop.set()
+            t.join(10)
+    with lock.generation():  # a decoding generation's own draft catch-up alone: whole
+        assert lock.others_decoding() == 0 and slot.feed_step(200) == 200
 
 
 def test_a_live_generation_that_stalls_does_not_hang_the_others(engine):
@@ -133,11 +180,11 @@ def test_a_failed_pass_fails_its_own_generation_only(engine):
 
 
 def test_a_slot_reads_a_prompt_whole_when_its_chunk_size_changes_midway(engine, monkeypatch):
-    """Others join or leave while a slot reads its prompt: its chunk size changes between chunks (64 <-> 512),
+    """Others join or leave while a slot reads its prompt: its chunk size changes between chunks (16 <-> 512),
     and every token is still read once."""
     from specdecode.backends.batching import LlamaSlot
     sizes = iter([16, 512, 16, 512] * 50)
-    monkeypatch.setattr(LlamaSlot, "chunk", property(lambda self: next(sizes)))
+    monkeypatch.setattr(LlamaSlot, "feed_step", lambda self, left: min(left, next(sizes)))
     slot = Slots(engine, 2).engines[0].target
     text = list(range(1, 200))
     last = slot.forward(text, last_only=True)[-1]

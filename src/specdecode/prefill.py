@@ -28,11 +28,12 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     if drafter is not None:
         drafter.reset()
     ids, head, t = list(prompt_ids), [], time.perf_counter()
-    if whole:
-        head = [int(target.forward(ids[keep:], last_only=True)[-1].argmax())]
-        ids += head
-    elif len(ids) - 1 > keep:
-        target.forward(ids[keep:-1], last_only=True)
+    with target.feeding():
+        if whole:
+            head = [int(target.forward(ids[keep:], last_only=True)[-1].argmax())]
+            ids += head
+        elif len(ids) - 1 > keep:
+            target.forward(ids[keep:-1], last_only=True)
     if drafter is not None and len(ids) > 1:
         drafter.prefill(ids[:-1])
     target.owner = scope

@@ -9,6 +9,7 @@ A backend subclasses LM (explicitly, so that it inherits the defaults); loading.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -114,6 +115,11 @@ class LM(Protocol):
     def reserve(self, n: int) -> None:
         """Make room for n tokens of text before a generation starts (a backend whose cache is sized up
         front grows it here; the default does nothing)."""
+
+    def feeding(self):
+        """A context manager held while a prompt is read (a batch slot then tells the others it is not decoding,
+        so they do not wait for it; the default does nothing)."""
+        return contextlib.nullcontext()
 
     def tree_error(self) -> str | None:
         """Why this model cannot run token trees (a pass with a tree of parents); None (the default) if it can."""

@@ -37,6 +37,8 @@ class Lockstep:
         self.guard_s = guard_s
         self._cv = threading.Condition()
         self._live = 0
+        self._feeding = 0  # generations reading a prompt (feeding)
+        self._mine = threading.local()  # the calling thread's: .live (generations), .feeding
         self._waiting = 0
         self._busy = False
         self._queues: dict[SharedContext, list] = {}
@@ -47,13 +49,36 @@ class Lockstep:
     def live(self) -> int:
         return self._live
 
+    def others_decoding(self) -> int:
+        """Live generations other than the calling thread's that are not reading a prompt now (they wait for
+        the caller's passes)."""
+        mine = self._mine
+        return self._live - self._feeding - (getattr(mine, "live", 0) > 0 and not getattr(mine, "feeding", False))
+
+    @contextmanager
+    def feeding(self):
+        """Marks the calling thread's live generation as reading a prompt while it runs."""
+        before = getattr(self._mine, "feeding", False)
+        counted = getattr(self._mine, "live", 0) > 0 and not before
+        with self._cv:
+            self._feeding += counted
+        self._mine.feeding = True
+        try:
+            yield
+        finally:
+            self._mine.feeding = before
+            with self._cv:
+                self._feeding -= counted
+
     @contextmanager
     def generation(self):
         with self._cv:
             self._live += 1
+        self._mine.live = getattr(self._mine, "live", 0) + 1
         try:
             yield
         finally:
+            self._mine.live -= 1
             with self._cv:
                 self._live -= 1
                 self._cv.notify_all()
@@ -271,11 +296,20 @@ class LlamaSlot(LlamaLM):
         self.ids, self.seq = [], []
         self.reset()
 
-    prefill_chunk = N_BATCH  # tokens per pass of a causal feed while other generations are live
+    prefill_chunk = N_BATCH  # tokens per pass of a causal feed while other generations decode
 
-    @property
-    def chunk(self) -> int:
-        return self.prefill_chunk if self._shared.lockstep.live > 1 else N_BATCH
+    def feed_step(self, left: int) -> int:
+        """A prompt is read whole (N_BATCH a pass) while no other generation decodes, as llama-server reads it: nobody
+        waits for it, and big calls read fastest per token. Beside decoding generations, in chunks of prefill_chunk
+        (their next step waits for one chunk); a rest of at most half a chunk more goes with the chunk before it
+        (a small call reads slowly per token and costs the others a step of its own)."""
+        if self._shared.lockstep.others_decoding() <= 0:
+            return min(left, N_BATCH)
+        step = self.prefill_chunk
+        return min(left if 2 * left <= 3 * step else step, N_BATCH)
+
+    def feeding(self):
+        return self._shared.lockstep.feeding()
 
     def describe(self) -> str:
         return self._shared.lm.describe()

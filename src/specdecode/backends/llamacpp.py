@@ -33,10 +33,9 @@ MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree p
 N_BATCH = 512  # tokens per llama_decode call (a longer causal feed is split)
 MAX_CTX = 32768  # default context cap
 PARK = MAX_SEQ - 1  # exact mode: the sequence id that holds parked cells (seen by no query)
-# The context starts with this many cells and doubles when a generation needs more (reserve): with
-# attention computed without flash attention, values are stored transposed with a row stride of the
-# cell count, so a 33k-cell context made each decode step at 1,400 tokens ~15% slower than a 4k one
-# (measured on an AMD EPYC Zen 4, 2 vCPUs; llama-cpp-python's Llama uses 4,096 by default too).
+# The context starts with this many cells and doubles when a generation needs more (reserve): without flash
+# attention values are stored transposed with a row stride of the cell count, so a 33k-cell context made each decode
+# step at 1,400 tokens ~15% slower than a 4k one (Zen 4, 2 vCPUs; llama-cpp-python's Llama uses 4,096 too).
 FIRST_CTX = 4096
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
                12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
@@ -90,7 +89,6 @@ class LlamaLM(LM):
     backend = "llama.cpp"
     max_tree_nodes = MAX_SEQ - 1  # sequence 0 is the trunk: one sequence id per tree node
     seq0, park = 0, PARK  # the trunk's sequence id and exact mode's parking one (a batch slot has its own)
-    chunk = N_BATCH  # a causal feed goes in passes of at most this many tokens
     batch_error = None  # several generations share passes: batching.SharedContext
 
     def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None, exact: bool = False,
@@ -254,6 +252,9 @@ class LlamaLM(LM):
     def _parent(self, i: int) -> int:
         return i - 1 if i < self.trunk else self.parent[i - self.trunk]
 
+    def feed_step(self, left: int) -> int:  # tokens of a causal feed's (a prompt's) next pass, `left` still to read
+        return min(left, N_BATCH)
+
     @torch.inference_mode()
     def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
         """Append new_ids; return float32 logits [len(new_ids), V] (or [1, V] if last_only).
@@ -280,18 +281,16 @@ class LlamaLM(LM):
             later[i] = min(later[i + 1], parents[i + 1])
         while self.trunk == start and j < n and parents[j] == start + j - 1 and later[j] >= start + j:
             j += 1
-        if j == n:  # a causal chain: split into batches of N_BATCH
-            out = []
-            step = self.chunk  # read once: a batch slot's may change while it feeds (others join or leave)
-            for a in range(0, n, step):
-                chunk = new_ids[a:a + step]
-                last = a + len(chunk) == n
-                rows = self._decode([(t, start + a + k, [self.seq0], not last_only or (last and k == len(chunk) - 1))
+        if j == n:  # a causal chain: in passes of feed_step tokens
+            out, a = [], 0
+            while a < n:
+                chunk = new_ids[a:a + self.feed_step(n - a)]  # asked each pass: a batch slot's changes
+                last, want = a + len(chunk) == n, len(chunk) - 1
+                rows = self._decode([(t, start + a + k, [self.seq0], not last_only or (last and k == want))
                                      for k, t in enumerate(chunk)])
-                if rows is not None:
-                    out.append(rows)
+                out += [] if rows is None else [rows]
                 self.ids.extend(chunk)
-                self.trunk = len(self.ids)
+                self.trunk, a = len(self.ids), a + len(chunk)
             return torch.from_numpy(np.concatenate(out))
         return self._tree_pass(new_ids, parents, j, last_only)
 
