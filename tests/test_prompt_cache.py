@@ -135,6 +135,49 @@ def test_a_conversation_goes_back_to_the_slot_that_holds_it(tmp_path):
         live.stop()
 
 
+def test_conversations_arriving_at_once_go_back_to_their_slots(tmp_path):
+    """serve --parallel 3: three conversations' next turns sent at the same moment, three times over: each goes to
+    the slot that holds its earlier turns (a slot busy choosing a job is still idle to the others' choice)."""
+    pytest.importorskip("llama_cpp")
+    import threading
+
+    import httpx
+    from helpers import LiveServer
+    from specdecode.backends.llamacpp import LlamaLM
+    from specdecode.server import create_app
+    from specdecode.slots import Slots
+    from tinygguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
+    engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
+    engine.progress = False
+    live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=Slots(engine, 3)))
+    try:
+        def ask(prompt: str) -> dict:
+            r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200
+            return r.json()
+        talks = [f"conversation {k}: " + "xyz " * (10 + 5 * k) for k in range(3)]
+        for prompt in talks:
+            ask(prompt)
+        for turn in range(3):
+            cached, go = [0] * 3, threading.Barrier(3)
+
+            def send(k: int) -> None:
+                go.wait()
+                out = ask(talks[k] + f" turn {turn}")
+                cached[k] = out["speculation"]["cached_prompt_tokens"]
+                talks[k] += f" turn {turn}" + out["choices"][0]["text"]
+            threads = [threading.Thread(target=send, args=(k,)) for k in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert all(c >= len(t) - 12 for c, t in zip(cached, talks)), (turn, cached)
+    finally:
+        live.stop()
+
+
 def test_load_and_serve_set_the_prompt_cache(tiny_dirs, monkeypatch):
     """Engine.load(prompt_cache=...) (what `serve` and `serve --ray` load with: on unless --no-prompt-cache)."""
     from specdecode.cli import build_parser
