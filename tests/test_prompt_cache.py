@@ -178,6 +178,49 @@ def test_conversations_arriving_at_once_go_back_to_their_slots(tmp_path):
         live.stop()
 
 
+def test_a_next_turn_sent_at_once_finds_the_slot_that_just_answered(tmp_path, monkeypatch):
+    """serve --parallel 2: a client that sends its next turn the moment the last answer ended finds that slot idle
+    to the slot choice, though its worker is still closing the generation (here held 0.5 s): the turn reads only
+    what is new, instead of going to the other idle slot and reading the whole conversation again."""
+    pytest.importorskip("llama_cpp")
+    import contextlib
+    import time
+
+    import httpx
+    from helpers import LiveServer
+    from specdecode.backends.llamacpp import LlamaLM
+    from specdecode.server import create_app
+    from specdecode.slots import Slots
+    from tinygguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
+    engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
+    engine.progress = False
+    slots = Slots(engine, 2)
+    real = slots.generation
+
+    @contextlib.contextmanager
+    def slow_to_close():
+        with real():
+            yield
+        time.sleep(0.5)  # the worker is busy after its generation ended
+    monkeypatch.setattr(slots, "generation", slow_to_close)
+    live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=slots))
+    try:
+        def ask(prompt: str) -> dict:
+            r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4},
+                           timeout=60)
+            assert r.status_code == 200
+            return r.json()
+        talk = "a conversation: " + "xyz " * 20
+        for turn in range(3):
+            out = ask(talk)
+            if turn:
+                assert out["speculation"]["cached_prompt_tokens"] >= len(talk) - 12, turn
+            talk += out["choices"][0]["text"] + f" turn {turn}"
+    finally:
+        live.stop()
+
+
 def test_load_and_serve_set_the_prompt_cache(tiny_dirs, monkeypatch):
     """Engine.load(prompt_cache=...) (what `serve` and `serve --ray` load with: on unless --no-prompt-cache)."""
     from specdecode.cli import build_parser

@@ -22,8 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import SpecDecodeError
 from ..methods import METHOD_TABLE, REQUIRED, get_method, wants_draft_model
 from . import protocol as p
+from .metrics import Metrics
 from .protocol import APIError
-from .scheduler import Metrics, Worker
+from .scheduler import Worker
 from .service import Service, error_response, json_response
 
 log = logging.getLogger("specdecode.server")

@@ -23,10 +23,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from ..errors import SpecDecodeError
 from .affinity import slot_for
+from .metrics import Metrics
 from .protocol import APIError, engine_error
 
 log = logging.getLogger("specdecode.server")
@@ -45,53 +44,6 @@ def engine_lock(engine) -> threading.Lock:
         if lock is None:
             lock = _ENGINE_LOCKS[engine] = threading.Lock()
         return lock
-
-
-class Metrics:
-    """Prometheus metrics in their own CollectorRegistry (several apps can live in one process)."""
-
-    def __init__(self, model_id: str, method: str, gamma: int):
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("specdecode_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=r)
-        self.generations = Counter("specdecode_generations", "generations by finish reason "
-                                   "(stop, length, timeout, cancelled, error)", ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("specdecode_prompt_tokens", "prompt tokens processed", registry=r)
-        self.generated_tokens = Counter("specdecode_generated_tokens", "tokens generated", registry=r)
-        self.drafted_tokens = Counter("specdecode_drafted_tokens", "draft tokens proposed", ["method"], registry=r)
-        self.accepted_tokens = Counter("specdecode_accepted_tokens", "draft tokens accepted", ["method"],
-                                       registry=r)
-        self.drafted_by_position = Counter("specdecode_drafted_by_position", "draft tokens proposed at draft "
-                                           "position i (0 = first)", ["position"], registry=r)
-        self.accepted_by_position = Counter("specdecode_accepted_by_position", "draft tokens accepted at draft "
-                                            "position i; acceptance at i = accepted / drafted", ["position"],
-                                            registry=r)
-        latency_buckets = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-        self.ttft = Histogram("specdecode_time_to_first_token_seconds", "from request arrival to the first text",
-                              buckets=latency_buckets, registry=r)
-        self.latency = Histogram("specdecode_request_latency_seconds", "from request arrival to the end of its "
-                                 "generation", ["endpoint"], buckets=latency_buckets, registry=r)
-        self.queue_wait = Histogram("specdecode_queue_wait_seconds", "time a request waited for the worker",
-                                    buckets=latency_buckets, registry=r)
-        self.queued = Gauge("specdecode_queue_depth", "requests waiting for the worker", registry=r)
-        self.busy = Gauge("specdecode_worker_busy", "1 while the worker is generating", registry=r)
-        info = Gauge("specdecode_server_info", "served model and default speculation",
-                     ["model", "method", "gamma"], registry=r)
-        info.labels(model=model_id, method=method, gamma=str(gamma)).set(1)
-
-    def record(self, stats, endpoint: str, arrival: float, finish: str, ttft_seen: bool) -> None:
-        now = time.monotonic()
-        if not ttft_seen:
-            self.ttft.observe(now - arrival)
-        self.latency.labels(endpoint=endpoint).observe(now - arrival)
-        self.generations.labels(finish_reason=finish).inc()
-        self.prompt_tokens.inc(stats.prompt_tokens)
-        self.generated_tokens.inc(stats.new_tokens)
-        self.drafted_tokens.labels(method=stats.method).inc(stats.drafted)
-        self.accepted_tokens.labels(method=stats.method).inc(stats.accepted)
-        for i, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
-            self.drafted_by_position.labels(position=str(i)).inc(d)
-            self.accepted_by_position.labels(position=str(i)).inc(a)
 
 
 class QueueFull(Exception):
@@ -319,10 +271,10 @@ class Worker:
         engine = self._engines[i]
         while True:
             with self._cv:
+                self._idle.add(i)
                 while not self._stopping and (job := self._take(i)) is None:
-                    self._idle.add(i)
                     self._cv.wait()
-                    self._idle.discard(i)
+                self._idle.discard(i)
                 if self._stopping:
                     return
                 self._running.append(job)
@@ -339,7 +291,7 @@ class Worker:
                         job.push(("error", engine_error(e)))
                         continue
                     with self.slots.generation():
-                        self._run(job, engine_lock(engine))
+                        self._run(job, engine_lock(engine), lambda: self._free(i, job))
             except Exception:  # never let the worker die
                 log.exception("generation failed")
                 self.metrics.generations.labels(finish_reason="error").inc()
@@ -347,12 +299,19 @@ class Worker:
                                             code="internal_error")))
             finally:
                 self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - t0)
-                with self._cv:
-                    self._used[i] = time.monotonic()
-                    self._running.remove(job)
-                    self._cv.notify_all()
+                self._free(i, job)
 
-    def _run(self, job: Job, lock: threading.Lock) -> None:
+    def _free(self, i: int, job: Job) -> None:
+        """Slot i is done with `job`: idle to the others' slot choice before its client hears the end (the client's
+        next turn may come at once, and must find the slot that holds the conversation)."""
+        with self._cv:
+            if job in self._running:
+                self._used[i] = time.monotonic()
+                self._running.remove(job)
+                self._idle.add(i)
+                self._cv.notify_all()
+
+    def _run(self, job: Job, lock: threading.Lock, free=lambda: None) -> None:
         if job.cancelled.is_set():
             return
         start = time.monotonic()
@@ -394,6 +353,7 @@ class Worker:
             spec["finish_reason"] = "timeout"
         spec["queue_s"] = start - job.arrival
         result = job.stream.result
+        free()
         job.push(("end", End(text=result.text if result is not None else "".join(parts),
                              finish_reason="length" if finish in ("length", "timeout") else "stop",
                              prompt_tokens=stats.prompt_tokens, completion_tokens=stats.new_tokens,
