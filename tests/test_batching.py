@@ -69,9 +69,9 @@ def test_long_prompt_is_read_in_chunks_while_others_decode(engine):
     seen = []
     real = slots.engines[1].target._shared.decode
 
-    def spy(batch, done=None):
+    def spy(batch, done=None, more=None):
         seen.extend(len(r[0]) for r in batch)
-        return real(batch, done)
+        return real(batch, done, more)
     slots.engines[1].target._shared.decode = spy
     decoding, short = threading.Event(), []
 
@@ -206,12 +206,59 @@ def test_plan_split_follows_the_measured_cost():
 
 def test_lockstep_runs_a_thread_outside_any_generation_at_once():
     class Fake:
-        def decode(self, batch, done=None):
+        def decode(self, batch, done=None, more=None):
             for r in batch:
                 r[1] = [len(r[0])]
             return 1
     step = Lockstep()
     assert step.run(Fake(), [1, 2, 3]) == [3]
+
+
+def test_a_pass_asked_for_during_a_round_joins_it_once_per_generation():
+    """A generation that asks for a pass while a round's calls run (a cached prompt's one token, arriving late) has
+    it run before the round's longer passes, not after all of them; a generation already served in the round waits
+    for the next one (its steps never starve a long prompt's call)."""
+    step, order = Lockstep(guard_s=5.0), []
+
+    class Fake:
+        def decode(self, batch, done=None, more=None):
+            todo, calls = sorted(batch, key=lambda r: len(r[0])), 0
+            while todo:
+                r = todo.pop(0)
+                order.append(r[0][0])
+                r[1] = [r[0][0]]
+                done([r])
+                calls += 1
+                end = time.monotonic() + 10
+                while r[0][0] == "short" and len(step._queues.get(self, [])) < 2 and time.monotonic() < end:
+                    time.sleep(0.01)  # until "late" and "short again" are asked for
+                todo = sorted(todo + more(), key=lambda r: len(r[0]))
+            return calls
+    fake, both = Fake(), threading.Barrier(2)
+
+    def first():
+        with step.generation():
+            both.wait()
+            step.run(fake, ["short"])
+            step.run(fake, ["short again"])
+
+    def long():
+        with step.generation():
+            both.wait()
+            time.sleep(0.2)  # asked for last: this thread runs the round, the first one is free to ask again
+            step.run(fake, ["long"] * 100)
+
+    def late():
+        while "short" not in order:
+            time.sleep(0.01)
+        with step.generation():
+            step.run(fake, ["late"])
+    threads = [threading.Thread(target=f) for f in (first, long, late)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert order == ["short", "late", "long", "short again"]
 
 
 def test_each_call_hands_its_passes_back_as_soon_as_it_ends():
@@ -220,7 +267,7 @@ def test_each_call_hands_its_passes_back_as_soon_as_it_ends():
     step, release, got = Lockstep(guard_s=5.0), threading.Event(), {}
 
     class Fake:
-        def decode(self, batch, done=None):
+        def decode(self, batch, done=None, more=None):
             batch.sort(key=lambda r: len(r[0]))  # as SharedContext.decode: the shortest first
             batch[0][1] = ["short"]
             done(batch[:1])
@@ -335,8 +382,8 @@ def test_sampled_law_with_company_is_the_targets(engine):
     shared = slots.engines[0].target._shared
     real = shared.decode
 
-    def swapped(batch, done=None):
-        made = real(batch)  # without done: every row stays here until the swap
+    def swapped(batch, done=None, more=None):
+        made = real(batch)  # without done or more: every row stays here until the swap
         rows = [r[1] for r in batch]
         if len({None if x is None else x.shape for x in rows}) == 1:
             for r, x in zip(batch, rows[::-1]):

@@ -85,7 +85,7 @@ class Lockstep:
 
     def run(self, shared: "SharedContext", tokens: list) -> np.ndarray | None:
         """One slot's pass (tokens as LlamaLM._decode takes them), run together with the others'."""
-        req = [tokens, None, None]  # tokens, logits rows, error
+        req = [tokens, None, None, threading.get_ident()]  # tokens, logits rows, error; whose
         with self._cv:
             self._queues.setdefault(shared, []).append(req)
             self._waiting += 1
@@ -98,24 +98,33 @@ class Lockstep:
                     batch = self._queues.pop(ctx)
                     self._busy = True
                     self._cv.release()
-                    handed = [0]  # passes whose rows went back as soon as their call ended (done)
+                    handed, taken = [0], list(batch)  # passes handed back as their call ended (done); all run
 
                     def done(part: list) -> None:
                         with self._cv:
                             self._waiting -= len(part)
                             handed[0] += len(part)
                             self._cv.notify_all()
+
+                    def more() -> list:  # passes asked for while this round's calls run join it, one per
+                        with self._cv:  # generation a round (a decoding one's steps never starve a prompt's chunk)
+                            late, seen = self._queues.pop(ctx, []), {r[3] for r in taken}
+                            join = [r for r in late if r[3] not in seen]
+                            if len(join) < len(late):
+                                self._queues[ctx] = [r for r in late if r[3] in seen]
+                        taken.extend(join)
+                        return join
                     try:
-                        self.passes += ctx.decode(batch, done)
-                        self.rows += len(batch)
+                        self.passes += ctx.decode(batch, done, more)
+                        self.rows += len(taken)
                     except BaseException as e:  # noqa: BLE001 (each thread raises its own request's error)
-                        for r in batch:
+                        for r in taken:
                             if r[1] is None and r[2] is None:
                                 r[2] = e
                     finally:
                         self._cv.acquire()
                         self._busy = False
-                        self._waiting -= len(batch) - handed[0]
+                        self._waiting -= len(taken) - handed[0]
                         self._cv.notify_all()
                     deadline = time.monotonic() + self.guard_s
                 else:
@@ -225,19 +234,21 @@ class SharedContext:
             slot.reset()
         return dict(sorted(best.items()))
 
-    def decode(self, batch: list, done: Callable[[list], None] | None = None) -> int:
+    def decode(self, batch: list, done: Callable[[list], None] | None = None,
+               more: Callable[[], list] | None = None) -> int:
         """Run the waiting passes (requests [tokens, rows, error], filled in here); returns the calls made. The
         shortest passes go first (one-token steps before prompts' chunks, short prompts before long ones), and
         `done(part)` hands each call's passes back as soon as it ends: a short prompt's first token does not wait
         for a long prompt read in the same step (measured, Zen 4, 8 prompts arriving at once: every first token
-        came after both calls of their chunks, 7.0 s, llama-server's median 3.8 s)."""
-        batch.sort(key=lambda r: len(r[0]))
-        sizes = [len(r[0]) for r in batch]
-        groups = plan_split(sizes, self.cost)
-        at = 0
-        for g in groups:
-            part = batch[at:at + g]
-            at += g
+        came after both calls of their chunks, 7.0 s, llama-server's median 3.8 s). After each call, `more()`
+        gives the passes asked for meanwhile (a generation's next step, a cached prompt's one token): they go
+        before the longer passes still waiting, instead of after all of this round's calls (measured, Zen 4, 8
+        prompts at once, one of them cached: its first token came after both 3.5 s calls, 6.9 s)."""
+        calls, todo = 0, sorted(batch, key=lambda r: len(r[0]))
+        while todo:
+            g = plan_split([len(r[0]) for r in todo], self.cost)[0]
+            part, todo = todo[:g], todo[g:]
+            calls += 1
             try:
                 rows = self._decode([t for r in part for t in r[0]])
                 k = 0
@@ -250,7 +261,9 @@ class SharedContext:
                     r[2] = e
             if done is not None:
                 done(part)
-        return len(groups)
+            if more is not None and todo:
+                todo = sorted(todo + more(), key=lambda r: len(r[0]))
+        return calls
 
     def _decode(self, tokens: list) -> np.ndarray:
         lc, batch = self._lc, self._batch
