@@ -1,6 +1,10 @@
 """The prompt cache (Engine(prompt_cache=True), prefill.py, LM.keep_prefix): a prompt that starts as the last one did
 reads only what is new, with the output of a fresh read; only within one scope (an API key), never in exact mode, and
 never after a generation that failed."""
+import contextlib
+import threading
+import time
+
 import pytest
 
 from specdecode import Engine
@@ -106,9 +110,10 @@ def test_the_server_reuses_a_prompt_for_the_same_api_key_only():
         srv.stop()
 
 
-def test_a_conversation_goes_back_to_the_slot_that_holds_it(tmp_path):
-    """serve --parallel 3: three conversations, one after another, then each one's next turn while every slot is
-    idle: each goes to the slot that holds its first turn and reads only what is new (by chance: 1 in 6)."""
+@contextlib.contextmanager
+def slot_server(tmp_path, n: int, adjust=None):
+    """`serve --parallel n` (prompt cache on) on a tiny GGUF, live; yields ask(prompt, max_tokens) -> the response.
+    adjust(slots) runs before the app is made."""
     pytest.importorskip("llama_cpp")
     import httpx
     from helpers import LiveServer
@@ -119,53 +124,46 @@ def test_a_conversation_goes_back_to_the_slot_that_holds_it(tmp_path):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
     engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
     engine.progress = False
-    live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=Slots(engine, 3)))
+    slots = Slots(engine, n)
+    if adjust is not None:
+        adjust(slots)
+    live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=slots))
+
+    def ask(prompt: str, max_tokens: int = 4) -> dict:
+        r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens},
+                       timeout=60)
+        assert r.status_code == 200
+        return r.json()
     try:
-        def ask(prompt: str) -> dict:
-            r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4},
-                           timeout=60)
-            assert r.status_code == 200
-            return r.json()
+        yield ask
+    finally:
+        live.stop()
+
+
+def test_a_conversation_goes_back_to_the_slot_that_holds_it(tmp_path):
+    """serve --parallel 3: three conversations, one after another, then each one's next turn while every slot is
+    idle: each goes to the slot that holds its first turn and reads only what is new (by chance: 1 in 6)."""
+    with slot_server(tmp_path, 3) as ask:
         firsts = [f"conversation {k}: " + "xyz " * (10 + 5 * k) for k in range(3)]
         for prompt in firsts:
             ask(prompt)
         for prompt in firsts[::-1]:  # one at a time, every slot idle when each arrives
             assert ask(prompt + "more")["speculation"]["cached_prompt_tokens"] >= len(prompt)
-    finally:
-        live.stop()
 
 
 def test_conversations_arriving_at_once_go_back_to_their_slots(tmp_path):
     """serve --parallel 3: three conversations' next turns sent at the same moment, three times over: each goes to
-    the slot that holds its earlier turns (a slot busy choosing a job is still idle to the others' choice)."""
-    pytest.importorskip("llama_cpp")
-    import threading
-
-    import httpx
-    from helpers import LiveServer
-    from specdecode.backends.llamacpp import LlamaLM
-    from specdecode.server import create_app
-    from specdecode.slots import Slots
-    from tinygguf import write_tiny_gguf
-    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
-    engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
-    engine.progress = False
-    live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=Slots(engine, 3)))
-    try:
-        def ask(prompt: str) -> dict:
-            r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
-                           timeout=60)
-            assert r.status_code == 200
-            return r.json()
+    the slot that holds its earlier turns."""
+    with slot_server(tmp_path, 3) as ask:
         talks = [f"conversation {k}: " + "xyz " * (10 + 5 * k) for k in range(3)]
         for prompt in talks:
-            ask(prompt)
+            ask(prompt, 2)
         for turn in range(3):
             cached, go = [0] * 3, threading.Barrier(3)
 
             def send(k: int) -> None:
                 go.wait()
-                out = ask(talks[k] + f" turn {turn}")
+                out = ask(talks[k] + f" turn {turn}", 2)
                 cached[k] = out["speculation"]["cached_prompt_tokens"]
                 talks[k] += f" turn {turn}" + out["choices"][0]["text"]
             threads = [threading.Thread(target=send, args=(k,)) for k in range(3)]
@@ -174,51 +172,28 @@ def test_conversations_arriving_at_once_go_back_to_their_slots(tmp_path):
             for t in threads:
                 t.join(60)
             assert all(c >= len(t) - 12 for c, t in zip(cached, talks)), (turn, cached)
-    finally:
-        live.stop()
 
 
 def test_a_next_turn_sent_at_once_finds_the_slot_that_just_answered(tmp_path, monkeypatch):
     """serve --parallel 2: a client that sends its next turn the moment the last answer ended finds that slot idle
     to the slot choice, though its worker is still closing the generation (here held 0.5 s): the turn reads only
     what is new, instead of going to the other idle slot and reading the whole conversation again."""
-    pytest.importorskip("llama_cpp")
-    import contextlib
-    import time
+    def slow_to_close(slots):
+        real = slots.generation
 
-    import httpx
-    from helpers import LiveServer
-    from specdecode.backends.llamacpp import LlamaLM
-    from specdecode.server import create_app
-    from specdecode.slots import Slots
-    from tinygguf import write_tiny_gguf
-    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
-    engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
-    engine.progress = False
-    slots = Slots(engine, 2)
-    real = slots.generation
-
-    @contextlib.contextmanager
-    def slow_to_close():
-        with real():
-            yield
-        time.sleep(0.5)  # the worker is busy after its generation ended
-    monkeypatch.setattr(slots, "generation", slow_to_close)
-    live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=slots))
-    try:
-        def ask(prompt: str) -> dict:
-            r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4},
-                           timeout=60)
-            assert r.status_code == 200
-            return r.json()
+        @contextlib.contextmanager
+        def generation():
+            with real():
+                yield
+            time.sleep(0.5)  # the worker is busy after its generation ended
+        monkeypatch.setattr(slots, "generation", generation)
+    with slot_server(tmp_path, 2, slow_to_close) as ask:
         talk = "a conversation: " + "xyz " * 20
         for turn in range(3):
             out = ask(talk)
             if turn:
                 assert out["speculation"]["cached_prompt_tokens"] >= len(talk) - 12, turn
             talk += out["choices"][0]["text"] + f" turn {turn}"
-    finally:
-        live.stop()
 
 
 def test_load_and_serve_set_the_prompt_cache(tiny_dirs, monkeypatch):
