@@ -205,3 +205,46 @@ def test_load_and_serve_set_the_prompt_cache(tiny_dirs, monkeypatch):
     parser = build_parser()
     assert parser.parse_args(["serve"]).no_prompt_cache is False
     assert parser.parse_args(["serve", "--no-prompt-cache"]).no_prompt_cache is True
+
+
+def test_a_slot_copies_the_start_another_slot_holds(tmp_path):
+    """Slots (llama.cpp, one shared cache): a prompt takes the longest start of it that any slot holds for its scope,
+    copied into its own sequence, with the output of a fresh read; another scope's text is never copied; a slot in a
+    generation shares only what it kept before reading its new prompt (the rest is not committed yet), and all of its
+    text once the generation ended; a copy stays when its source moves on."""
+    pytest.importorskip("llama_cpp")
+    from specdecode.backends.llamacpp import LlamaLM
+    from specdecode.slots import Slots
+    from tinygguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
+    engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
+    engine.progress = False
+    fresh = Engine(LlamaLM(gguf, threads=1), byte_tokenizer())
+    e0, e1, e2 = Slots(engine, 3).engines
+    system = "a system prompt that every request starts with; "
+    kw = dict(method="autoregressive", max_new_tokens=6)
+
+    def ask(e, prompt, scope="k"):
+        out = e.generate(prompt, cache_scope=scope, **kw)
+        assert out.token_ids == fresh.generate(prompt, **kw).token_ids
+        return out.stats.cached_prompt_tokens
+
+    def common(a: str, b: str) -> int:
+        x, y = engine.encode(a), engine.encode(b)
+        return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)) - 1)
+    assert ask(e0, system + "first question") == 0
+    assert ask(e1, system + "second question", "other") == 0  # another scope's text is not copied
+    assert ask(e1, system + "second question") == common(system + "first question", system + "second question")
+    ask(e1, "something else entirely")  # slot 1 holds nothing of the system prompt now
+    third = system + "third question"
+    stream = iter(e0.stream(third, cache_scope="k", **kw))
+    next(stream)  # slot 0 is generating: it holds `third`, but shares only what it kept of its last text
+    assert ask(e1, third) == common(system + "first question", third)
+    assert ask(e2, "unrelated") == 0 and ask(e2, third) == len(engine.encode(third)) - 1  # from slot 1 (ended)
+    ask(e1, "slot 1 moves on")
+    for _ in stream:  # slot 0's generation ends
+        pass
+    assert ask(e1, third) == len(engine.encode(third)) - 1  # from slot 0 now, or slot 2
+    ask(e0, "slot 0 moves on")
+    ask(e2, "slot 2 moves on")  # the copies' sources dropped those cells; slot 1's own stay, with the same output
+    assert ask(e1, third) == len(engine.encode(third)) - 1

@@ -43,9 +43,11 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
 
 def owned(target: LM, steps):
     """A generation's steps passed through; one that fails leaves the target's cache to nobody (after an error
-    inside a pass its bookkeeping may not be what the cache holds)."""
+    inside a pass its bookkeeping may not be what the cache holds). The target is released at the end."""
     try:
         yield from steps
     except Exception:
         target.owner = None
         raise
+    finally:
+        target.release()

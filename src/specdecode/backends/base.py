@@ -112,6 +112,10 @@ class LM(Protocol):
             n += 1
         return n
 
+    def release(self) -> None:
+        """The generation that began with keep_prefix has ended (a batch slot may then share its text with the other
+        slots; the default does nothing)."""
+
     def reserve(self, n: int) -> None:
         """Make room for n tokens of text before a generation starts (a backend whose cache is sized up
         front grows it here; the default does nothing)."""

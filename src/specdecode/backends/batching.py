@@ -189,6 +189,7 @@ class SharedContext:
                                   f"slots, not {slots}")
         self.lm, self.lockstep, self.cost = lm, lockstep, cost
         self.lock = threading.Lock()  # one llama.cpp call on this context at a time
+        self.prefix_lock = threading.RLock()  # slots sharing their text (LlamaSlot.keep_prefix); taken before .lock
         cparams = type(lm._cparams).from_buffer_copy(lm._cparams)
         cparams.n_ctx = max(cells, N_BATCH)
         # flash attention: its kernel skips the cells a query does not see, while plain attention multiplies every
@@ -307,6 +308,7 @@ class LlamaSlot(LlamaLM):
         self.max_length = min(lm.max_length, cells - len(node_ids))
         self._batch = None
         self.ids, self.seq = [], []
+        self._held = (None, 0)  # (scope, n): entries [0, n) stay in this slot's cache until it lowers n (prefix_lock)
         self.reset()
 
     prefill_chunk = N_BATCH  # tokens per pass of a causal feed while other generations decode
@@ -330,7 +332,52 @@ class LlamaSlot(LlamaLM):
     def reserve(self, n: int) -> None:
         pass  # a slot's cells are set aside up front (max_length: the loop stops there, as LlamaLM's does)
 
+    def keep_prefix(self, ids: list[int], scope: str | None) -> int:
+        """LM.keep_prefix, where the longest start of `ids` that any slot of the context holds for `scope` counts:
+        another slot's is copied into this slot's sequence (in a unified cache a copy adds this slot's id to the
+        cells: no pass, no new cell). A wave of prompts that share a system prompt reads it once; a conversation's
+        next turn finds its text whichever slot serves it. Another slot's entries are shared only below its `_held`
+        mark: a slot lowers the mark (under prefix_lock) before it drops an entry below it."""
+        with self._shared.prefix_lock:
+            self._held = (None, 0)
+            own, src, most = self.cached_prefix(ids, scope), None, 0
+            for s in self._shared.slots:
+                n = s.shareable(ids, scope) if s is not self else 0
+                if n > most:
+                    src, most = s, n
+            if most > own:
+                self.reset()
+                self._lc.llama_memory_seq_cp(self._mem, src.seq0, self.seq0, 0, most)
+                self.ids, self.trunk = list(ids[:most]), most
+            else:
+                most = super().keep_prefix(ids, scope)
+            self._held = (scope, most)
+            return most
+
+    def shareable(self, ids: list[int], scope: str | None) -> int:
+        """How much of `ids` (but its last token) this slot's held entries give a slot of the same scope
+        (prefix_lock held)."""
+        held, n = self._held
+        if held is None or held != scope:
+            return 0
+        n, k = min(n, len(ids) - 1), 0
+        while k < n and self.ids[k] == ids[k]:
+            k += 1
+        return k
+
+    def release(self) -> None:
+        with self._shared.prefix_lock:  # the generation ended: its committed text may be shared
+            self._held = (self.owner, self.trunk) if self.owner is not None else (None, 0)
+
+    def rollback(self, length: int, path: list[int] = ()) -> None:
+        if length < self._held[1]:
+            with self._shared.prefix_lock:
+                self._held = (self._held[0], length)
+        super().rollback(length, path)
+
     def reset(self) -> None:
+        with self._shared.prefix_lock:
+            self._held = (None, 0)
         lc = self._lc
         free = set(getattr(self, "_free", ()))
         taken = [sid for sid in self._node_ids if sid not in free]  # ids in use, or taken by a pass that failed
