@@ -155,7 +155,10 @@ def test_bench_end_to_end_on_tiny_models(tiny_dirs, prompt_file, tmp_path, capsy
     assert results["methods"]["autoregressive"]["decode_speedup"] == 1.0
     assert results["methods"]["draft"]["analytic_bound"] > 0
     assert len(results["prompts"]) == 3 * 4
-    assert [r["method"] for r in results["prompts"][:4]] == ["autoregressive", "draft", "pld", "hf-assisted"]
+    # interleaved prompt by prompt, each prompt's round starting one method later
+    assert [r["method"] for r in results["prompts"]] == ["autoregressive", "draft", "pld", "hf-assisted",
+                                                         "draft", "pld", "hf-assisted", "autoregressive",
+                                                         "pld", "hf-assisted", "autoregressive", "draft"]
     report = (out / "report.md").read_text()
     assert "| draft |" in report and "Speedup by category" in report
     assert "## Prefill and decoding" in report and "| chat | draft |" in report

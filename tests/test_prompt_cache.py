@@ -68,7 +68,10 @@ def test_the_cache_is_reused_within_its_scope_only(engines):
     assert fresh.generate(FIRST, max_new_tokens=4).stats.cached_prompt_tokens == 0  # off unless asked for
 
 
-def test_a_generation_that_fails_leaves_nothing_to_reuse(engines, monkeypatch):
+@pytest.mark.parametrize("error", [SpecDecodeError, KeyboardInterrupt])
+def test_a_generation_that_fails_leaves_nothing_to_reuse(engines, monkeypatch, error):
+    """An error inside a pass, or an interrupt (Ctrl-C may land inside a rollback, between the cache and its
+    bookkeeping): the next prompt reads everything anew."""
     cached, fresh = engines
     cached.generate(FIRST, max_new_tokens=4, cache_scope="k")
     real, calls = cached.target.forward, [0]
@@ -76,10 +79,10 @@ def test_a_generation_that_fails_leaves_nothing_to_reuse(engines, monkeypatch):
     def flaky(*a, **k):
         calls[0] += 1
         if calls[0] == 3:  # a pass inside the steps, after the prompt was read
-            raise SpecDecodeError("injected failure")
+            raise error("injected failure")
         return real(*a, **k)
     monkeypatch.setattr(cached.target, "forward", flaky)
-    with pytest.raises(SpecDecodeError, match="injected"):
+    with pytest.raises(error, match="injected"):
         cached.generate(FIRST + " x", method="autoregressive", max_new_tokens=8, cache_scope="k")
     monkeypatch.setattr(cached.target, "forward", real)
     out = cached.generate(FIRST + " x", method="autoregressive", max_new_tokens=8, cache_scope="k")

@@ -46,7 +46,9 @@ def owned(target: LM, steps):
     inside a pass its bookkeeping may not be what the cache holds). The target is released at the end."""
     try:
         yield from steps
-    except Exception:
+    except GeneratorExit:  # closed between steps (a client gone): the cache is as the bookkeeping says
+        raise
+    except BaseException:  # an error, or an interrupt that may have come inside a rollback
         target.owner = None
         raise
     finally:

@@ -178,15 +178,16 @@ def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int
                              llama_server=binary, serve_parallel_flag="--parallel" in flags)
     # level by level, every peer at a level back to back: this VM's speed drifts by up to ~20% within half an hour
     # (measured, Zen 4: llama-batched-bench's prompt speed 102 -> 82 tok/s), so peers measured minutes apart differ
-    # by the machine as much as by themselves
+    # by the machine as much as by themselves; each level starts one peer later, so that no peer always goes first
+    # (the place in a round is worth a few per cent: alternated generations in one process, issue 16)
     argv_kw = {name: dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None,
                           target=target, draft=draft, llama_server=binary, serve_flags=flags,
                           extra=shlex.split(args.llama_args if name.startswith("llama-server") else
                                             args.llama_cpp_python_args if name == "llama-cpp-python" else
                                             args.ours_args))
                for name in peers}
-    for c in levels:
-        for name in peers:
+    for k, c in enumerate(levels):
+        for name in peers[k % len(peers):] + peers[:k % len(peers)]:
             results["servers"][name] = measure_peer(name, prompts, [c], max_tokens=args.max_tokens,
                                                     requests=args.requests, timeout=args.timeout,
                                                     out_dir=Path(args.out), argv_kw=argv_kw[name],
