@@ -117,20 +117,8 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
             # prompts; issue 16), so no method keeps the first place
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:
                 engine.history = histories[m]
-                messages: list[dict] = []
-                for turn, text in enumerate(p.get("turns") or [p["prompt"]], 1):
-                    bar.set_postfix_str(f"{p['id']} {m}" + (f" turn {turn}" if p.get("turns") else ""))
-                    if p.get("turns"):  # a conversation: each turn after this method's own earlier answers
-                        messages = messages + [{"role": "user", "content": text}]
-                        run = {**p, "prompt": messages, "chat": True}
-                    else:
-                        run = p
-                    r = _run_one(engine, run, m, gamma, max_new_tokens, temperature, seed, tree, peers)
-                    rows.append({"prompt_id": p["id"] + (f"#{turn}" if p.get("turns") else ""), "turn": turn,
-                                 "category": p["category"], "method": m, **r})
-                    if p.get("turns"):
-                        messages = messages + [{"role": "assistant", "content": r["text"]}]
-                    bar.update(1)
+                rows += _turns(p, m, bar, lambda run, m: _run_one(engine, run, m, gamma, max_new_tokens, temperature,
+                                                                  seed, tree, peers))
     finally:
         engine.history = history
         close_peers(peers)
@@ -154,6 +142,26 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
                                  server_peers={m: " ".join(p.argv) for m, p in peers.items() if hasattr(p, "argv")},
                                  draft_vocab=len(engine.draft_model.keep)
                                  if engine.draft_model is not None and engine.draft_model.keep is not None else None))
+
+
+def _turns(p: dict, m: str, bar, run_one) -> list[dict]:
+    """Prompt p under method m (run_one(run, m) -> its result): its rows, one per turn of a conversation, each turn
+    after this method's own earlier answers."""
+    rows, messages = [], []
+    for turn, text in enumerate(p.get("turns") or [p["prompt"]], 1):
+        bar.set_postfix_str(f"{p['id']} {m}" + (f" turn {turn}" if p.get("turns") else ""))
+        if p.get("turns"):
+            messages = messages + [{"role": "user", "content": text}]
+            run = {**p, "prompt": messages, "chat": True}
+        else:
+            run = p
+        r = run_one(run, m)
+        rows.append({"prompt_id": p["id"] + (f"#{turn}" if p.get("turns") else ""), "turn": turn,
+                     "category": p["category"], "method": m, **r})
+        if p.get("turns"):
+            messages = messages + [{"role": "assistant", "content": r["text"]}]
+        bar.update(1)
+    return rows
 
 
 def _make_peers(engine, methods: list[str], llama_server: str | None, log_dir) -> dict:
