@@ -18,6 +18,14 @@ import torch
 from ..errors import SpecDecodeError
 
 
+def common_start(held: list[int], ids: list[int], most: int) -> int:
+    """How many of the first `most` tokens of `ids` `held` starts with (most: at most either's length)."""
+    n = 0
+    while n < most and held[n] == ids[n]:
+        n += 1
+    return n
+
+
 @runtime_checkable
 class LM(Protocol):
     """A causal LM with its KV cache: the one seam between the engine (drafters, trees, cost model,
@@ -107,10 +115,7 @@ class LM(Protocol):
         speeds up another's)."""
         if scope is None or self.owner != scope:
             return 0
-        n, most = 0, min(getattr(self, "trunk", 0), len(ids) - 1)
-        while n < most and self.ids[n] == ids[n]:
-            n += 1
-        return n
+        return common_start(self.ids, ids, min(getattr(self, "trunk", 0), len(ids) - 1))
 
     def release(self) -> None:
         """The generation that began with keep_prefix has ended (a batch slot may then share its text with the other

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import SpecDecodeError
 from . import compute
+from .base import common_start
 from .llamacpp import MAX_SEQ, N_BATCH, LlamaLM
 
 GUARD_S = 0.02  # a pass waits at most this long for live generations that have not asked for theirs yet
@@ -360,10 +361,7 @@ class LlamaSlot(LlamaLM):
         held, n = self._held
         if held is None or held != scope:
             return 0
-        n, k = min(n, len(ids) - 1), 0
-        while k < n and self.ids[k] == ids[k]:
-            k += 1
-        return k
+        return common_start(self.ids, ids, min(n, len(ids) - 1))
 
     def release(self) -> None:
         with self._shared.prefix_lock:  # the generation ended: its committed text may be shared
