@@ -30,8 +30,13 @@ EXACT_METHODS = ["auto", "draft", "pld", "tree", "lookup"]
 def prompts(n_he: int, n_mt: int, long_path: str | None = None, n_long: int = 0) -> list[tuple[str, object]]:
     he = [json.loads(x) for x in (DATA / "humaneval.jsonl").read_text().splitlines()[:n_he]]
     mt = [json.loads(x) for x in (DATA / "mt_bench.jsonl").read_text().splitlines()[:n_mt]]
-    out = [("humaneval", r["prompt"]) for r in he] + [("mt_bench", [{"role": "user", "content": r["turns"][0]}])
-                                                      for r in mt]
+    chats = [("mt_bench", [{"role": "user", "content": r["turns"][0]}]) for r in mt]
+    out, step = [], max(1, round(len(he) / max(1, len(chats))))  # interleaved: a cut-off run holds both kinds
+    for i, r in enumerate(he):
+        out.append(("humaneval", r["prompt"]))
+        if (i + 1) % step == 0 and chats:
+            out.append(chats.pop(0))
+    out += chats
     if long_path:  # scripts/longprompt_devset.py's rows: the first n_long of each category
         seen: dict[str, int] = {}
         for r in map(json.loads, Path(long_path).expanduser().read_text().splitlines()):
@@ -114,10 +119,14 @@ def main() -> None:
         rows.append(r)
         print(cat, len(ids), r["same"],
               {k: round(v, 2) for k, v in r["wall"].items()}, flush=True)
-    out = Path(a.out)
+        write(Path(a.out), exact, limits, peer_name, methods, a.max_new_tokens, rows)  # after every prompt: a cut-off
+    print((Path(a.out) / "report.md").read_text())                                     # run keeps what it had
+
+
+def write(out: Path, exact, limits, peer_name: str, methods: list[str], max_new_tokens: int, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = {"cpu": cpu_description(), "backend": exact.backend, "target": exact.target.name,
-              "dtype": str(exact.target.dtype), "peer": peer_name, "limits": limits.__dict__, "max_new_tokens": a.max_new_tokens, "rows": rows}
+              "dtype": str(exact.target.dtype), "peer": peer_name, "limits": limits.__dict__, "max_new_tokens": max_new_tokens, "rows": rows}
     (out / "results.json").write_text(json.dumps(report, indent=1))
     lines = [f"# Exact greedy mode on the default pair\n", f"{report['cpu']}\n",
              f"Measured exact pass sizes: up to {limits.max_pass} tokens, trees {'yes' if limits.trees else 'no'}.\n",
@@ -142,7 +151,6 @@ def main() -> None:
     lines.append("\nRatios are wall-time ratios summed over the category's prompts (>1: exact mode is slower). "
                  "HumanEval: MIT; MT-bench questions: Apache-2.0.")
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ cells, do change bits, so the comparison can see what exact mode prevents."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from specdecode import Engine, SpecDecodeError, exactness
+from specdecode.backends.torch_lm import CachedLM
 from specdecode.certify import _recorded, check_greedy
 from specdecode.drafters import Draft
 from tiny import byte_tokenizer, tiny_model
@@ -191,10 +193,12 @@ def test_draft_prefix():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_equals_transformers_generate(dtype):
+def test_greedy_equals_transformers_generate(dtype, monkeypatch):
     """An independent reference for every greedy guarantee on torch: transformers' own `generate`
-    (do_sample=False, its own cache) on the same model. Exact mode equals it token for token for every method
-    in fp32 and bf16 (where a k-token pass rounds differently from a 1-token one); our plain decoding always."""
+    (do_sample=False, its own cache) on the same model. Exact mode without padding equals it token for token for
+    every method in fp32 and bf16 (where a k-token pass rounds differently from a 1-token one); our plain decoding
+    always. (Padded exact mode equals its own padded plain decoding: test_padded_exact_mode_*.)"""
+    monkeypatch.setattr(exactness, "PAD_COST", 0.0)  # never pad
     tok = byte_tokenizer()
     target, draft = tiny_model(0).to(dtype), tiny_model(1).to(dtype)
     engine = Engine(target, tok, draft, tok, exact=True)
@@ -229,3 +233,84 @@ def test_exact_passes_stop_at_the_context_they_were_measured_up_to(ggufs):
     for m in ("draft", "pld"):
         out = engine.generate(text, method=m, max_new_tokens=24)
         assert out.token_ids == plain.token_ids and out.stats.drafted == 0, m
+
+
+def _state(lm):
+    return lm.ids[:], lm.trunk, lm.parent[:], lm.pos[:], lm.cache.get_seq_length()
+
+
+def test_a_padded_pass_keeps_only_the_real_tokens():
+    """LM.pad_rows: a pass of fewer tokens runs as pad_rows rows, and what it leaves (cache entries, tree
+    bookkeeping) and returns (one row per real token, or the last) is what an unpadded pass leaves and returns."""
+    from specdecode.backends.torch_lm import CachedLM
+    model = tiny_model(0)
+    plain, pad = CachedLM(model), CachedLM(model)
+    pad.pad_rows = 4
+    prompt = list(b"the cat sat on the")
+    for lm in (plain, pad):
+        lm.forward(prompt, last_only=True)
+    P = len(prompt)
+    steps = [([5], None, False), ([6, 7], None, False), ([8], None, True),  # chains, last_only
+             ([9, 10, 11], [P + 2, P + 3, P + 3], False)]  # a tree: root 9 with two children
+    for ids, parents, last in steps:
+        a, b = plain.forward(ids, last_only=last, parents=parents), pad.forward(ids, last_only=last, parents=parents)
+        assert a.shape == b.shape == (1 if last else len(ids), 257)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert _state(plain) == _state(pad)
+    for lm in (plain, pad):
+        lm.rollback(P + 4, [P + 5])  # accept the tree's second child
+    torch.testing.assert_close(plain.forward([12]), pad.forward([12]), atol=1e-4, rtol=1e-4)
+    assert _state(plain) == _state(pad) and pad.cache.get_seq_length() == P + 6
+
+
+class OneRowKernel(CachedLM):
+    """A backend whose 1-row passes take another kernel than longer ones, as oneDNN and cuBLAS do: its 1-row
+    logits are offset by a constant (the argmax never moves; every bit of the row does). On a tiny bf16 model with
+    eager attention, passes of 2+ rows are exact against each other on the CPUs seen (measured below)."""
+
+    def _pass(self, new_ids, last_only, parents):
+        out = super()._pass(new_ids, last_only, parents)
+        return out + 2.0 ** -6 if len(new_ids) == 1 else out
+
+
+def _padded_engine(monkeypatch, cost: float) -> Engine:
+    """An exact engine on OneRowKernel whose measured padding cost is `cost`; the draft is the target's weights, so
+    guesses are accepted and passes of every allowed size run."""
+    monkeypatch.setattr(exactness, "padding_cost", lambda lm, *a, **k: cost)
+    tok, model = byte_tokenizer(), tiny_model(0).to(torch.bfloat16)
+    model.config._attn_implementation = "eager"
+    return Engine(OneRowKernel(model), tok, model, tok, exact=True)
+
+
+def test_padded_exact_mode_reads_padded_plain_decodings_bits(monkeypatch):
+    """Where a 1-row pass takes its own kernel, no unpadded pass beyond 1 token is exact; exact mode then pads every
+    target pass to 2 rows if that makes longer passes exact and costs little: every method's output equals padded
+    plain decoding's, every verifier row bit for bit, and every target pass of an exact generation ran 2+ rows.
+    The control: the same pass sizes without the padding change bits."""
+    engine = _padded_engine(monkeypatch, 1.0)
+    limits = engine.exact_limits()
+    assert exactness.measure(engine.target).max_pass == 1 and engine.target.pad_rows == 1
+    if exactness.measure(engine.target, pad_rows=2).max_pass == 1:
+        pytest.skip("on this CPU even 2+-row bf16 passes of the tiny model differ from each other")
+    assert limits.pad_rows == 2 and limits.max_pass >= 2 and "padded to 2 rows" in limits.checked, limits
+    rows_seen = []  # (rows, padding on) of every target pass
+    lm, real = engine.target, engine.target._pass
+    monkeypatch.setattr(lm, "_pass", lambda ids, *a: rows_seen.append((len(ids), lm.pad_rows)) or real(ids, *a))
+    for prompt in PROMPTS:
+        plain, rows = _recorded(engine, prompt, "autoregressive", NEW)
+        for m in METHODS:
+            r = check_greedy(engine, prompt, m, NEW, plain.token_ids, rows)
+            assert r["identical"] and r["passed"], (m, r)
+            assert r["bit_identical"] == r["positions_compared"] == len(plain.token_ids), (m, r)
+    padded = [n for n, pad in rows_seen if pad == 2]  # (1-row passes outside generations: the cost model's timing)
+    assert min(padded) == 2 and max(padded) > 2  # padded steps, and verification passes of several tokens
+    assert engine.target.pad_rows == 1  # no padding outside exact generations
+    engine._exact_limits = replace(limits, pad_rows=1)  # the control
+    plain, rows = _recorded(engine, PROMPTS[1], "autoregressive", NEW)
+    r = check_greedy(engine, PROMPTS[1], "draft", NEW, plain.token_ids, rows)
+    assert r["accepted"] > 0 and not r["passed"] and r["bit_identical"] < r["positions_compared"], r
+
+
+def test_exact_mode_does_not_pad_where_padding_costs_too_much(monkeypatch):
+    limits = _padded_engine(monkeypatch, 1.5).exact_limits()
+    assert limits.pad_rows == 1 and limits.max_pass == 1 and "not tried" in limits.checked

@@ -170,6 +170,14 @@ class RowRecorder:
     def __getattr__(self, name):
         return getattr(self._lm, name)
 
+    @property
+    def pad_rows(self) -> int:  # set by exact mode's padding (exactness.padded): the LM's own
+        return self._lm.pad_rows
+
+    @pad_rows.setter
+    def pad_rows(self, rows: int) -> None:
+        self._lm.pad_rows = rows
+
     def __len__(self) -> int:
         return len(self._lm)
 

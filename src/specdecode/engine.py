@@ -16,7 +16,7 @@ from .checks import check_request, tree_nodes_cap
 from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, tokenizer_fingerprint)
 from .errors import SpecDecodeError
-from .exactness import ExactLimits, limits as measured_exact_limits
+from .exactness import ExactLimits, limits as measured_exact_limits, padded
 from .lease import Lease, tokenizer_lock
 from .methods import METHOD_TABLE, DraftRequest, method_names
 from .sampling import SamplingParams
@@ -303,6 +303,8 @@ class Engine:
                                    generator=generator, stats=stats, exact=limits, scope=scope)
         if scope is not None:
             steps = owned(self.target, steps)
+        if limits is not None and limits.pad_rows > 1:  # exact mode's plain steps too run as padded passes
+            steps = padded(self.target, limits.pad_rows, steps)
         if request.history is not None:
             steps = self._remember(request.history, steps)
         out = TextStream(self, self.lease.steps(steps), stats, stops)

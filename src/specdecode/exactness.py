@@ -13,19 +13,29 @@ more plain steps. The result is cached per model and machine (LM.describe()).
 Exact mode (Engine(..., exact=True), --exact) then never feeds the target a pass longer than
 `max_pass` tokens and uses trees only if `trees`; every token it emits is the argmax of logits bit-identical
 to plain decoding's, so the greedy output equals plain decoding's token for token.
+
+Padding (torch): where a 1-row pass takes other kernels than every longer pass (oneDNN on a CPU, cuBLAS on a
+GPU), no pass of 2 tokens is exact against 1-token steps. Padding every pass to 2 rows (LM.pad_rows) makes
+plain decoding's steps run the kernels of a 2-row pass; measured on an H200 (bf16, the default target's
+shapes), passes of up to 15 tokens then match its steps bit for bit. Exact mode pads only where that is
+measured to make longer passes exact and to cost a 1-token step at most PAD_COST more: plain decoding in exact
+mode is then the padded one (its tokens equal unpadded decoding's except where the top two logits are within a
+rounding), and every method equals it bit for bit.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from .errors import SpecDecodeError
 from .machine import cache_dir, write_json
 
-FORMAT = 3  # 2: measured after several context lengths; 3: and up to which context (max_context)
+FORMAT = 4  # 2: measured after several context lengths; 3: and up to which context (max_context); 4: pad_rows,
+# and passes at both parities of the cache length
+PAD_ROWS, PAD_COST = 2, 1.03  # the padding tried, and the most it may cost a 1-token step (time ratio)
 # pass sizes measured after CONTEXTS; then they are checked after each of LONG_CONTEXTS until one fails
 CONTEXTS, LONG_CONTEXTS, STEPS, MAX_SIZE = (48, 8, 20, 100, 200), (400, 800, 1600, 3200), 16, 16
 
@@ -39,6 +49,7 @@ class ExactLimits:
     # llama.cpp: a 1-token flash-attention pass over 512+ cells splits the cache across threads and sums the
     # parts, a longer pass does not (ggml-cpu ops.cpp, use_split_kv_path); so 2-3 token passes stop being exact
     max_context: int = 0
+    pad_rows: int = 1  # every target pass padded to this many rows (LM.pad_rows); 1: none
 
     @property
     def max_guesses(self) -> int:
@@ -62,10 +73,12 @@ def _plain(lm, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     return ids, torch.stack(rows)
 
 
-def _chunked(lm, prompt: list[int], ids: list[int], k: int) -> torch.Tensor:
+def _chunked(lm, prompt: list[int], ids: list[int], k: int, offset: int = 0) -> torch.Tensor:
+    """Rows of ids fed `offset` one per pass, then k per pass."""
     lm.reset()
     lm.forward(prompt, last_only=True)
-    return torch.cat([lm.forward(ids[a:a + k]) for a in range(0, len(ids), k)])
+    return torch.cat([lm.forward(ids[a:a + 1]) for a in range(offset)]
+                     + [lm.forward(ids[a:a + k]) for a in range(offset, len(ids), k)])
 
 
 def _tree_rounds(lm, prompt: list[int], ids: list[int], size: int) -> torch.Tensor:
@@ -96,20 +109,31 @@ def _exact_at(lm, prompt: list[int], steps: int, max_pass: int, trees: bool) -> 
     ids, ref = _plain(lm, prompt, steps)
     ok = 1
     for k in range(2, max_pass + 1):
-        if not torch.equal(_chunked(lm, prompt, ids, k), ref):
+        # k-token passes starting at an even and at an odd position: a kernel may split its work by the cache's
+        # length (torch's CPU attention, with 2-row padding: exact at one parity only)
+        if not all(torch.equal(_chunked(lm, prompt, ids, k, offset), ref) for offset in (0, 1)):
             break
         ok = k
     return ok, trees and ok >= 3 and lm.tree_error() is None and torch.equal(
         _tree_rounds(lm, prompt, ids, min(ok, 5)), ref)
 
 
-def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE) -> ExactLimits:
+def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE, pad_rows: int = 1) -> ExactLimits:
     """Measure the exact pass sizes of this LM after each of CONTEXTS random tokens (those that fit; seconds: about
     (max_pass + 2) short decodings per context), then up to which context they hold (LONG_CONTEXTS, until one
     fails: max_context is the last one that held, plus the steps decoded after it). A kernel's blocking can follow
     the context length: on a tiny bf16 Qwen2 on torch (Intel Xeon, 2 vCPUs), 2-token passes matched 1-token
     passes bit for bit after 8 and 100 cached tokens and not after 20, 48, 64 or 200; on llama.cpp, passes of
-    2-3 tokens that are exact after 200 tokens are not after 400 (see ExactLimits.max_context)."""
+    2-3 tokens that are exact after 200 tokens are not after 400 (see ExactLimits.max_context).
+    pad_rows: every pass (plain decoding's steps included) padded to that many rows (LM.pad_rows)."""
+    lm.pad_rows = pad_rows
+    try:
+        return _measure(lm, steps, max_size, pad_rows)
+    finally:
+        lm.pad_rows = 1
+
+
+def _measure(lm, steps: int, max_size: int, pad_rows: int) -> ExactLimits:
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(0, min(lm.vocab_size, 30000), (n,), generator=g).tolist()  # noqa: E731
     max_pass, trees, seen = max_size, True, []
@@ -124,9 +148,59 @@ def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE) -> ExactLimits:
         seen.append(n)
     lm.reset()
     max_context = max(seen) + steps
+    padded = f", every pass padded to {pad_rows} rows" if pad_rows > 1 else ""
     return ExactLimits(max_pass, bool(trees), f"{steps} greedy steps after {', '.join(map(str, seen))} random "
-                       f"tokens, passes of 2..{max_size} tokens and trees of up to {min(max_pass, 5)} nodes, "
-                       f"compared bit for bit; exact up to {max_context} cells", max_context)
+                       f"tokens, passes of 2..{max_size} tokens and trees of up to {min(max_pass, 5)} nodes{padded}, "
+                       f"compared bit for bit; exact up to {max_context} cells", max_context, pad_rows)
+
+
+def padding_cost(lm, rows: int = PAD_ROWS, context: int = 128, rounds: int = 20) -> float:
+    """A 1-token step padded to `rows` rows against an unpadded one, after `context` cached tokens: the ratio of the
+    fastest of each, the two alternated (1.0: free). The fastest, not the median: a GPU's steps here are bound by
+    kernel launches whose jitter (+-20% run to run on an H200) would decide the choice by chance."""
+    import time
+    g = torch.Generator().manual_seed(1)
+    lm.reset()
+    lm.forward(torch.randint(0, min(lm.vocab_size, 30000), (context,), generator=g).tolist(), last_only=True)
+    times: dict[int, list[float]] = {1: [], rows: []}
+    try:
+        for i in range(2 * rounds + 2):
+            lm.pad_rows = (1, rows)[i % 2]
+            t = time.perf_counter()
+            lm.forward([i % 100 + 10])
+            lm.synchronize()
+            if i >= 2:  # the first of each out: warm-up
+                times[lm.pad_rows].append(time.perf_counter() - t)
+            lm.rollback(context)
+    finally:
+        lm.pad_rows = 1
+        lm.reset()
+    return min(times[rows]) / min(times[1])
+
+
+def choose(lm) -> ExactLimits:
+    """The exact pass sizes as the LM runs; where none beyond 1 token and the backend pads, those of padded
+    passes instead, if padding makes longer passes exact and costs a step at most PAD_COST."""
+    found = measure(lm)
+    if found.max_pass > 1 or not lm.can_pad:
+        return found
+    cost = padding_cost(lm)
+    if cost > PAD_COST:
+        return replace(found, checked=found.checked + f"; padding to {PAD_ROWS} rows not tried (a step {cost:.2f}x)")
+    padded = measure(lm, pad_rows=PAD_ROWS)
+    if padded.max_pass <= 1:
+        return replace(found, checked=found.checked + f"; padded to {PAD_ROWS} rows: no longer pass exact either")
+    return replace(padded, checked=padded.checked + f" (unpadded: 1 token; a padded step {cost:.2f}x)")
+
+
+def padded(lm, rows: int, steps):
+    """Run a generation's steps (an iterator) with every target pass padded to `rows` rows (ExactLimits.pad_rows),
+    and no padding after it, however it ends."""
+    lm.pad_rows = rows
+    try:
+        yield from steps
+    finally:
+        lm.pad_rows = 1
 
 
 def limits(lm, progress: bool = False) -> ExactLimits:
@@ -142,6 +216,6 @@ def limits(lm, progress: bool = False) -> ExactLimits:
         pass
     if progress:
         print("[specdecode] measuring which pass sizes are bit-exact on this machine (once)...", flush=True)
-    found = measure(lm)
+    found = choose(lm)
     write_json(path, asdict(found))
     return found

@@ -68,6 +68,10 @@ class LM(Protocol):
         """Entries in the cache."""
 
     parked = 0  # cells held outside the text (llama.cpp exact mode: rejected tree nodes below an accepted one)
+    # exact mode: every pass padded to at least this many rows, so a 1-token step runs the kernels a k-token pass
+    # runs (exactness.py measures whether that makes k-token passes exact, and whether it costs too much); the
+    # padding's cells are dropped before forward returns. can_pad: the backend honours it (torch)
+    pad_rows, can_pad = 1, False
 
     def cells(self) -> int:
         """Cache cells in use, parked ones included: kernels may pick their path by the cache's size."""

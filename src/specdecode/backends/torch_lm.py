@@ -27,6 +27,7 @@ class CachedLM(LM):
 
     backend = "torch"
     exact = True  # nothing to switch at loading: exactness.py measures which passes are bit-exact
+    can_pad = True  # forward pads a pass to pad_rows rows (exact mode, where that makes longer passes exact)
 
     def __init__(self, model):
         self.model = model
@@ -99,14 +100,26 @@ class CachedLM(LM):
     def __len__(self) -> int:
         return len(self.ids)
 
-    @torch.inference_mode()
     def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
         """Append new_ids to the cache; return float32 logits [len(new_ids), V] (or [1, V] if last_only).
 
         parents=None: new_ids continue the text causally. Otherwise parents[j] is the cache index
         (counted after the append) of the token new_ids[j] follows; it must come before j. That is a
         token tree: each token attends to the trunk and its own ancestors only, at its own depth.
+        A pass of fewer than pad_rows tokens runs as pad_rows rows: the padding continues the last token as a
+        chain (no real token attends to it) and its cells are rolled back before returning.
         """
+        extra = self.pad_rows - len(new_ids)
+        if not new_ids or extra <= 0:
+            return self._pass(new_ids, last_only, parents)
+        start, n = len(self.ids), len(new_ids)
+        padded = None if parents is None else list(parents) + [start + n - 1 + a for a in range(extra)]
+        out = self._pass(list(new_ids) + [new_ids[-1]] * extra, False, padded)
+        self.rollback(start + n)
+        return out[n - 1:n] if last_only else out[:n]
+
+    @torch.inference_mode()
+    def _pass(self, new_ids: list[int], last_only: bool, parents: list[int] | None) -> torch.Tensor:
         if not new_ids:
             raise ValueError("forward needs at least one token")
         start = len(self.ids)
