@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", choices=["auto", "llama.cpp", "torch"])
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="torch: the weights' type")
     ap.add_argument("--target", default=None, help="default: the default pair")
+    ap.add_argument("--resume", default=None, help="a results.json of an earlier run cut off: its rows are kept and "
+                    "its prompts skipped")
     ap.add_argument("--draft", default=None)
     a = ap.parse_args()
     load = dict(target=a.target, draft=a.draft, progress=False, backend=a.backend, dtype=a.dtype)
@@ -96,12 +98,12 @@ def main() -> None:
         peer, peer_name = (lambda ids, n: peer_ids(llm, ids, n, exact.eos_ids)), "llama-cpp-python (FA on)"
     else:
         peer, peer_name = (lambda ids, n: hf_peer_ids(exact.target.model, ids, n, exact.eos_ids)), "transformers generate"
-    rows = []
+    rows = json.loads(Path(a.resume).read_text())["rows"] if a.resume else []
     methods = a.methods.split(",")
     for engine, ms in ((exact, ["autoregressive", *methods]), (default, ["autoregressive", "auto"])):
         for m in ms:  # one-time measurements (pass costs, exact pass sizes) out of the timed runs
             engine.generate("def f(x):", method=m, max_new_tokens=8)
-    for cat, prompt in prompts(a.humaneval, a.mtbench, a.longprompt, a.long):
+    for cat, prompt in prompts(a.humaneval, a.mtbench, a.longprompt, a.long)[len(rows):]:
         ids = exact.encode(prompt)
         r = {"category": cat, "prompt_tokens": len(ids), "wall": {}, "tokens": {}, "tau": {}, "same": {}}
         ref, r["wall"]["exact/autoregressive"] = timed(exact, prompt, "autoregressive", a.max_new_tokens)
