@@ -5,14 +5,17 @@ depend on the shapes, not on the weights' values. A random model's logits are ne
 which makes any differing bit show up as a differing token sooner than a trained model would.
 
 Measures, writing results.json after every step (a cut-off run keeps what it had):
-1. T(k): one pass over k new tokens after C cached (C = 128, 1024), median of 5, against T(1);
-2. exactness.measure on the target as it is, and with every pass padded to p rows (p = 2, 4, 8, 16: a 1-token
-   step then runs the kernels of a p-row pass; the padding's cells are dropped after the pass);
-3. per prompt (HumanEval: MIT; MT-bench: Apache-2.0): exact-mode autoregressive and every method, each compared
-   token for token; transformers' own greedy `generate`; default-mode autoregressive, auto and draft, with times.
-The draft is the target itself (full acceptance: the verifier reads passes of every allowed size).
+1. T(k): one pass over k new tokens after 128 cached, median of 5;
+2. with --probe: exactness.measure with every pass padded to p rows (p = 1, 2, 4, 8, 16; LM.pad_rows);
+3. the library's own choice (exactness.padding_cost, Engine.exact_limits);
+4. per prompt (HumanEval: MIT; MT-bench: Apache-2.0): exact-mode autoregressive and every method, each compared
+   token for token and every verifier row bit for bit (certify.check_greedy); default-mode autoregressive and
+   draft, with times; where exact mode pads, the control without the padding.
+The draft is the target itself (full acceptance: the verifier reads passes of every allowed size). The first H200
+run (docs/results/issue17-exact-h200/probe-padded-results.json) came from an earlier version of this script whose
+measurement checked passes at even positions only.
 
-    python scripts/gpu_exact_probe.py --model-dir DIR --draft-dir DIR --prompts FILE --out DIR
+    python scripts/gpu_exact_probe.py --model-dir DIR --prompts FILE --out DIR [--probe]
 """
 from __future__ import annotations
 
@@ -39,22 +42,6 @@ def build(model_dir: str, seed: int, device: str):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.eval()
-
-
-class Padded(CachedLM):
-    """Every pass padded to at least `pad` rows (the padding continues the last token as a chain; its cells are
-    rolled back at once, so the cache and the logits returned are those of the real tokens)."""
-    pad = 1
-
-    def forward(self, new_ids, last_only=False, parents=None):
-        n, extra = len(new_ids), self.pad - len(new_ids)
-        if extra <= 0:
-            return super().forward(new_ids, last_only, parents)
-        start = len(self.ids)
-        padded = None if parents is None else list(parents) + [start + n - 1 + a for a in range(extra)]
-        out = super().forward(list(new_ids) + [new_ids[-1]] * extra, False, padded)
-        self.rollback(start + n)
-        return out[n - 1:n] if last_only else out[:n]
 
 
 def pass_costs(lm, contexts=(128, 1024), sizes=(1, 2, 3, 4, 8, 16, 32, 64)) -> dict:
@@ -99,16 +86,14 @@ def main() -> None:
     save = lambda: (out / "results.json").write_text(json.dumps(res, indent=1))  # noqa: E731
     model = build(a.model_dir, 0, a.device)
     tok = AutoTokenizer.from_pretrained(a.model_dir)
-    lm = Padded(model)
+    lm = CachedLM(model)
     res["pass_ms"] = pass_costs(lm, contexts=(128,), sizes=(1, 2, 4, 8, 16, 32))
     print("pass ms", res["pass_ms"], flush=True)
     if a.probe:
         res["exact"] = {}
         for p in (1, 2, 4, 8, 16):
-            lm.pad = p
-            res["exact"][p] = exactness.measure(lm).__dict__
+            res["exact"][p] = exactness.measure(lm, pad_rows=p).__dict__
             print("pad", p, res["exact"][p], flush=True)
-        lm.pad = 1
     engine, default = Engine(model, tok, model, tok, exact=True), Engine(model, tok, model, tok)
     engine.progress = default.progress = False
     t = time.perf_counter()
@@ -152,11 +137,6 @@ def main() -> None:
         print("control", res["control_unpadded"], flush=True)
     res["seconds"] = round(time.perf_counter() - t0, 1)
     save()
-
-
-def _with_pad(lm, p):
-    lm.pad = p
-    return lm
 
 
 def timed(engine, prompt, method, n, r, key):

@@ -16,8 +16,8 @@ to plain decoding's, so the greedy output equals plain decoding's token for toke
 
 Padding (torch): where a 1-row pass takes other kernels than every longer pass (oneDNN on a CPU, cuBLAS on a
 GPU), no pass of 2 tokens is exact against 1-token steps. Padding every pass to 2 rows (LM.pad_rows) makes
-plain decoding's steps run the kernels of a 2-row pass; measured on an H200 (bf16, the default target's
-shapes), passes of up to 15 tokens then match its steps bit for bit. Exact mode pads only where that is
+plain decoding's steps run the kernels of a 2-row pass, so longer passes may then match them. Exact mode pads only
+where that is
 measured to make longer passes exact and to cost a 1-token step at most PAD_COST more: plain decoding in exact
 mode is then the padded one (its tokens equal unpadded decoding's except where the top two logits are within a
 rounding), and every method equals it bit for bit.
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -126,16 +128,27 @@ def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE, pad_rows: int = 1)
     passes bit for bit after 8 and 100 cached tokens and not after 20, 48, 64 or 200; on llama.cpp, passes of
     2-3 tokens that are exact after 200 tokens are not after 400 (see ExactLimits.max_context).
     pad_rows: every pass (plain decoding's steps included) padded to that many rows (LM.pad_rows)."""
-    lm.pad_rows = pad_rows
-    try:
+    with padding(lm, pad_rows):
         return _measure(lm, steps, max_size, pad_rows)
+
+
+@contextmanager
+def padding(lm, rows: int):
+    """Every pass of lm padded to `rows` rows inside the block (LM.pad_rows), none after it, however it ends."""
+    lm.pad_rows = rows
+    try:
+        yield
     finally:
         lm.pad_rows = 1
 
 
+def _random_ids(lm, n: int, g: torch.Generator) -> list[int]:
+    return torch.randint(0, min(lm.vocab_size, 30000), (n,), generator=g).tolist()
+
+
 def _measure(lm, steps: int, max_size: int, pad_rows: int) -> ExactLimits:
     g = torch.Generator().manual_seed(0)
-    rand = lambda n: torch.randint(0, min(lm.vocab_size, 30000), (n,), generator=g).tolist()  # noqa: E731
+    rand = lambda n: _random_ids(lm, n, g)  # noqa: E731
     max_pass, trees, seen = max_size, True, []
     for n in CONTEXTS:
         if n + steps + max_size > lm.max_length and seen:
@@ -158,23 +171,19 @@ def padding_cost(lm, rows: int = PAD_ROWS, context: int = 128, rounds: int = 20)
     """A 1-token step padded to `rows` rows against an unpadded one, after `context` cached tokens: the ratio of the
     fastest of each, the two alternated (1.0: free). The fastest, not the median: a GPU's steps here are bound by
     kernel launches whose jitter (+-20% run to run on an H200) would decide the choice by chance."""
-    import time
-    g = torch.Generator().manual_seed(1)
     lm.reset()
-    lm.forward(torch.randint(0, min(lm.vocab_size, 30000), (context,), generator=g).tolist(), last_only=True)
+    lm.forward(_random_ids(lm, context, torch.Generator().manual_seed(1)), last_only=True)
     times: dict[int, list[float]] = {1: [], rows: []}
-    try:
-        for i in range(2 * rounds + 2):
-            lm.pad_rows = (1, rows)[i % 2]
+    for i in range(2 * rounds + 2):
+        r = (1, rows)[i % 2]
+        with padding(lm, r):
             t = time.perf_counter()
             lm.forward([i % 100 + 10])
             lm.synchronize()
             if i >= 2:  # the first of each out: warm-up
-                times[lm.pad_rows].append(time.perf_counter() - t)
+                times[r].append(time.perf_counter() - t)
             lm.rollback(context)
-    finally:
-        lm.pad_rows = 1
-        lm.reset()
+    lm.reset()
     return min(times[rows]) / min(times[1])
 
 
@@ -196,11 +205,8 @@ def choose(lm) -> ExactLimits:
 def padded(lm, rows: int, steps):
     """Run a generation's steps (an iterator) with every target pass padded to `rows` rows (ExactLimits.pad_rows),
     and no padding after it, however it ends."""
-    lm.pad_rows = rows
-    try:
+    with padding(lm, rows):
         yield from steps
-    finally:
-        lm.pad_rows = 1
 
 
 def limits(lm, progress: bool = False) -> ExactLimits:
