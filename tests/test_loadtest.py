@@ -295,3 +295,35 @@ def test_llama_cpp_python_server_as_a_reference_peer(tmp_path, capsys):
     assert all(s["memory"]["rss_peak_mib"] > 0 for s in srv["levels"])
     assert "--n_ctx 128 --interrupt_requests False" in srv["commands"]["2"]
     assert "| llama-cpp-python | 2 | 3/3 |" in capsys.readouterr().out
+
+
+def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
+    """Per-thread CPU over a round: the `compute` busiest threads apart from the others (new threads from zero)."""
+    import os
+    import threading
+    import time
+
+    from specdecode.bench.procmem import cpu_split, thread_cpu
+    before, done = thread_cpu(os.getpid()), threading.Event()
+
+    def busy():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        done.wait()  # alive (and counted) until read
+
+    spin = threading.Thread(target=busy)
+    spin.start()
+    time.sleep(0.05)
+    while spin.native_id not in thread_cpu(os.getpid()) or thread_cpu(os.getpid())[spin.native_id][1] < 0.25:
+        time.sleep(0.05)
+    after = thread_cpu(os.getpid())
+    done.set()
+    spin.join()
+    assert spin.native_id in after and spin.native_id not in before
+    split = cpu_split(before, after, 1)
+    assert split["compute_cpu_s"] >= 0.1 and split["compute_cpu_s"] == round(after[spin.native_id][1] - 0.0, 3)
+    assert cpu_split(None, after, 1) is None and thread_cpu(2 ** 22 + 7) is None
+    made = cpu_split({1: ("a", 1.0), 2: ("b", 2.0)}, {1: ("a", 4.0), 2: ("b", 2.5), 3: ("c", 0.25)}, 1)
+    assert made == {"compute_threads": 1, "compute_cpu_s": 3.0, "other_cpu_s": 0.75,
+                    "busiest": [["a", 3.0], ["b", 0.5], ["c", 0.25]]}

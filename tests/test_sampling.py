@@ -231,3 +231,19 @@ def test_subnormal_temperature_and_top_p_stay_finite():
     assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=5e-324)), torch.tensor([0.0, 1.0, 0.0]))
     assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=5e-324)),
                        torch.tensor([0.0, 1.0, 0.0]))
+
+
+def test_argmax_is_torchs_on_ties_nan_rows_and_dtypes():
+    """sampling.argmax (numpy's on CPU float32, the verifier's greedy path) = tensor.argmax(-1).tolist()."""
+    import torch
+
+    from specdecode.sampling import argmax
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 3, (5, 1000), generator=g).float()  # many ties: the first index wins
+    x[2, 7] = float("nan")
+    x[3, 5] = float("nan")
+    x[3, 9] = float("nan")  # the first NaN counts as the largest, as in torch
+    x[4] = float("-inf")
+    for t in (x, x[1], x.to(torch.bfloat16), x[:, ::2]):
+        assert argmax(t) == t.argmax(-1).tolist()
+    assert argmax(x) == [x[0].argmax().item(), x[1].argmax().item(), 7, 5, 0] and isinstance(argmax(x[1]), int)

@@ -35,6 +35,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def argmax(logits: torch.Tensor):
+    """`logits.argmax(-1).tolist()`: an int for one row [V], a list for rows [..., V]; the first index on ties and
+    NaN counted as the largest, as torch's. On a CPU float32 tensor (llama.cpp's logits) numpy's, which takes
+    ~10 us on a 151,936-token vocabulary where torch's takes ~130: this runs on every greedy step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] in float32 (one-hot argmax when greedy)."""
     logits = logits.float()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import probs_from_logits, sample
+from .sampling import argmax, probs_from_logits, sample
 
 
 def verify(
@@ -144,7 +144,7 @@ def verdict(logits: torch.Tensor, draft, params, generator: torch.Generator | No
     """The target's verdict on a drafters.Draft (sampling.SamplingParams params), from its logits after the root and each drafted node: the accepted
     nodes (a branch, root side first) and the token that follows them (a correction or the bonus)."""
     if params.greedy and draft.q is None:  # one-hot p and q: the rule reduces to following the argmax
-        return verify_greedy(logits.argmax(-1).tolist(), draft.tokens, draft.tree_parents)
+        return verify_greedy(argmax(logits), draft.tokens, draft.tree_parents)
     if draft.parents is None:  # a chain: the batched rule
         p = probs_from_logits(logits, params)  # [n+1, V]
         q = None if draft.q is None else draft.q[None]

@@ -291,7 +291,7 @@ class LlamaLM(LM):
                 out += [] if rows is None else [rows]
                 self.ids.extend(chunk)
                 self.trunk, a = len(self.ids), a + len(chunk)
-            return torch.from_numpy(np.concatenate(out))
+            return torch.from_numpy(out[0] if len(out) == 1 else np.concatenate(out))
         return self._tree_pass(new_ids, parents, j, last_only)
 
     def _tree_pass(self, new_ids, parents, n_trunk, last_only) -> torch.Tensor:

@@ -186,13 +186,15 @@ def server_model(url: str, timeout: float = 30.0) -> str:
 
 def measure_server(url: str, prompts: list[dict], levels: list[int], max_tokens: int, requests: int | None = None,
                    timeout: float = 600.0, warmup: bool = True, model: str | None = None, log=print,
-                   solo: dict[str, str] | None = None, extra: dict | None = None) -> dict:
+                   solo: dict[str, str] | None = None, extra: dict | None = None, on_start=None) -> dict:
     """Every concurrency level against one running server: {"levels": [...], "mismatches": [...],
     "solo": {id: text}}. The solo answers come from level 1 (or `solo`, from an earlier run). `extra`: fields
-    added to every request body."""
+    added to every request body. `on_start`: called after the warm-up, right before the levels' load."""
     model = model or server_model(url)
     if warmup:
         run_level(url, model, prompts[:1], 1, min(8, max_tokens), timeout, extra=extra)
+    if on_start is not None:
+        on_start()
     solo = {} if solo is None else solo  # filled in place by level 1
     out = {"levels": [], "mismatches": [], "requests": [], "solo": solo}
     for c in levels:

@@ -177,7 +177,8 @@ def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_token
     carries its round and the server's memory (procmem.MemorySampler: RSS before the round, its peak). `result`:
     one from an earlier call for other levels of the same peer (the levels of several peers interleaved), added to."""
     from .load import measure_server
-    from .procmem import MemorySampler
+    from .procmem import MemorySampler, cpu_split, thread_cpu
+    cpu: list = []  # the threads' CPU times when a round's load starts (after its warm-up)
     if result is None:
         result = {"levels": [], "mismatches": [], "requests": [], "commands": {}, "solo": {}}
     solo = result["solo"]
@@ -188,18 +189,26 @@ def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_token
         log(f"{name}, concurrency {c}: {shlex.join(argv)}")
         started = time.perf_counter()
         try:
-            with Launched(argv, port, out_dir / "logs" / f"{name}-c{c}.log", ready_timeout,
+            log_path = out_dir / "logs" / f"{name}-c{c}.log"
+            for n in range(2, 1000):  # a level given twice (--concurrency 1,1) keeps each process's log
+                if not log_path.exists():
+                    break
+                log_path = out_dir / "logs" / f"{name}-c{c}-{n}.log"
+            with Launched(argv, port, log_path, ready_timeout,
                           health=HEALTH.get(name, "/health")) as srv:
                 log(f"  ready in {time.perf_counter() - started:.1f} s")
                 for r in range(1, rounds + 1):
                     with MemorySampler(srv.proc.pid) as mem:
                         got = measure_server(srv.url, prompts, [c], max_tokens, requests, timeout, warmup=r == 1,
-                                             solo=solo, log=log, extra=REQUEST_EXTRA.get(name))
+                                             solo=solo, log=log, extra=REQUEST_EXTRA.get(name),
+                                             on_start=lambda: cpu.append(thread_cpu(srv.proc.pid)))
                     memory = mem.result()
                     log(f"  round {r}: server RSS {memory['rss_before_mib']} MiB before, "
                         f"{memory['rss_peak_mib']} MiB at peak")
                     for s in got["levels"]:
-                        s.update(round=r, memory=memory)
+                        s.update(round=r, memory=memory,
+                                 cpu=cpu_split(cpu.pop() if cpu else None, thread_cpu(srv.proc.pid),
+                                               argv_kw["threads"]))
                     result["levels"] += got["levels"]
                     result["mismatches"] += [{**m, "round": r} for m in got["mismatches"]]
                     result["requests"] += [{**q, "round": r} for q in got["requests"]]

@@ -18,6 +18,14 @@ def _rss(s: dict) -> str:
     return f"{mem['rss_before_mib']:.0f} / {mem['rss_peak_mib']:.0f}"
 
 
+def _other_cpu(s: dict) -> str:
+    """CPU ms per completion token spent outside the decoding threads (procmem.cpu_split)."""
+    cpu = s.get("cpu")
+    if not cpu or not s.get("completion_tokens"):
+        return "n/a"
+    return f"{cpu['other_cpu_s'] * 1000 / s['completion_tokens']:.2f}"
+
+
 def markdown(results: dict) -> str:
     cfg = results["config"]
     lines = [f"# Load test: {cfg['max_tokens']} new tokens, greedy, streamed", "",
@@ -25,12 +33,12 @@ def markdown(results: dict) -> str:
              f"({cfg['n_prompts']} prompts); requests per level: {cfg['requests'] or 'every prompt once'}", "",
              "| server | concurrency | ok/requests | total completion tok/s | TTFT p50 (ms) | TTFT p99 (ms) | "
              "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | errors (5xx) | greedy mismatches | "
-             "server RSS before / peak (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "server RSS before / peak (MiB) | other threads' CPU ms / token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, srv in results["servers"].items():
         for s in srv["levels"]:
             if "failed" in s:
-                lines.append(f"| {name} | {s['concurrency']} | failed: {s['failed'][:80]!s} | | | | | | | | | |")
+                lines.append(f"| {name} | {s['concurrency']} | failed: {s['failed'][:80]!s} | | | | | | | | | | |")
                 continue
             rate = "n/a" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.2f}"
             mism = f"{s['greedy_mismatches']}/{s['greedy_compared']}" if s["concurrency"] > 1 or s["greedy_compared"] \
@@ -38,12 +46,16 @@ def markdown(results: dict) -> str:
             level = f"{s['concurrency']}" + (f" (round {s['round']})" if s.get("round", 1) > 1 else "")
             lines.append(f"| {name} | {level} | {s['ok']}/{s['requests']} | {rate} | {_ms(s['ttft_p50_s'])} "
                          f"| {_ms(s['ttft_p99_s'])} | {_ms(s['itl_p50_s'])} | {_ms(s['itl_p99_s'])} "
-                         f"| {_ms(s['tpot_p50_s'])} | {s['errors']} ({s['errors_5xx']}) | {mism} | {_rss(s)} |")
+                         f"| {_ms(s['tpot_p50_s'])} | {s['errors']} ({s['errors_5xx']}) | {mism} | {_rss(s)} "
+                         f"| {_other_cpu(s)} |")
     lines += ["", "ITL: gaps between streamed text chunks (a chunk with several tokens counts once); TPOT: "
               "(last chunk - first chunk) / (tokens - 1) per request. Greedy mismatches: responses at this "
               "concurrency whose text differs from the same prompt served alone (concurrency 1; a later round at concurrency 1 "
               "is compared with the first). Server RSS: resident memory of a launched server and its child processes "
-              "before the round and its peak during it (sampled every 0.5 s); n/a for servers not launched here."]
+              "before the round and its peak during it (sampled every 0.5 s); n/a for servers not launched here. "
+              "Other threads' CPU: CPU time of a launched server's threads other than its busiest `--threads` "
+              "(the decoding threads) over the round's load, per completion token: with as many cores as "
+              "decoding threads, time taken from the decoding."]
     lines += cross_server(results)
     mismatches = [(name, m) for name, srv in results["servers"].items() for m in srv["mismatches"]]
     if mismatches:

@@ -4,6 +4,12 @@
 forks workers is measured whole; pages shared between them count once per process, as `ps` would sum
 them), read with psutil (the `bench` extra). `MemorySampler`: a thread that samples it every
 `interval` seconds while the load runs; `result()` gives the RSS before, the peak and the RSS after, in MiB.
+
+`thread_cpu(pid)` / `cpu_split(before, after)`: CPU seconds per thread over a round, split into the busiest
+`compute` threads (the decoding threads: both servers run their passes on as many threads as `--threads`) and
+all the others (HTTP, event loop, tokenizer, logging). On a machine with as many cores as decoding threads,
+every CPU second spent outside the decoding threads is taken from them: the load test reports it per
+completion token for every server, so a gap between servers at one stream can be laid at its door or not.
 """
 from __future__ import annotations
 
@@ -64,3 +70,40 @@ class MemorySampler:
         mib = lambda b: None if b is None else round(b / MIB, 1)  # noqa: E731
         return {"rss_before_mib": mib(self.before), "rss_peak_mib": mib(self.peak), "rss_after_mib": mib(self.after),
                 "samples": self.samples, "interval_s": self.interval}
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]] | None:
+    """CPU seconds (user + system) of every thread of `pid` and its descendants, by thread id, with each
+    thread's name where /proc gives it; None where `pid` is gone (or cannot be read)."""
+    import psutil
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return None
+    out: dict[int, tuple[str, float]] = {}
+    for proc in procs:
+        try:
+            threads = proc.threads()
+        except psutil.Error:
+            continue
+        for t in threads:
+            try:
+                name = open(f"/proc/{proc.pid}/task/{t.id}/comm").read().strip()
+            except OSError:
+                name = "?"
+            out[t.id] = (name, t.user_time + t.system_time)
+    return out
+
+
+def cpu_split(before: dict | None, after: dict | None, compute: int) -> dict | None:
+    """CPU seconds each thread spent between two `thread_cpu` readings (threads that started in between
+    count from zero), split into the `compute` busiest and the others; None without both readings."""
+    if before is None or after is None:
+        return None
+    spent = sorted(((cpu - before.get(tid, ("", 0.0))[1], name) for tid, (name, cpu) in after.items()),
+                   reverse=True)
+    spent = [(max(0.0, s), name) for s, name in spent]
+    return {"compute_threads": compute, "compute_cpu_s": round(sum(s for s, _ in spent[:compute]), 3),
+            "other_cpu_s": round(sum(s for s, _ in spent[compute:]), 3),
+            "busiest": [[name, round(s, 3)] for s, name in spent[:compute + 4]]}

@@ -8,7 +8,7 @@ import torch
 
 from ..backends import as_lm
 from ..errors import SpecDecodeError
-from ..sampling import SamplingParams, probs_from_logits, sample
+from ..sampling import SamplingParams, argmax, probs_from_logits, sample
 from .base import Draft, fit_vocab
 
 
@@ -136,9 +136,11 @@ class DraftModel:
         logits, _ = self.root(ids)
         tokens, qs = [], []
         for i in range(gamma):
-            q = probs_from_logits(logits, params)
-            tokens.append(int(q.argmax()) if params.greedy else int(sample(q, generator)))
-            qs.append(q)
+            if params.greedy:  # a one-hot q: the argmax, no [V] row built
+                tokens.append(int(argmax(logits)))
+            else:
+                qs.append(probs_from_logits(logits, params))
+                tokens.append(int(sample(qs[-1], generator)))
             if i + 1 < gamma:  # the last token is fed with the next step's root pass, if accepted
                 logits = self._full(self.lm.forward(tokens[-1:], last_only=True)[-1])
         q = None if params.greedy else torch.stack(qs)  # greedy: one-hot q

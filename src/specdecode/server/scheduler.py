@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from ..backends.compute import name_thread
 from ..errors import SpecDecodeError
 from .affinity import slot_for
 from .metrics import Metrics
@@ -268,6 +269,7 @@ class Worker:
         return None
 
     def _loop(self, i: int) -> None:
+        name_thread(f"sd-worker-{i}")
         engine = self._engines[i]
         while True:
             with self._cv:
