@@ -327,3 +327,22 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     made = cpu_split({1: ("a", 1.0), 2: ("b", 2.0)}, {1: ("a", 4.0), 2: ("b", 2.5), 3: ("c", 0.25)}, 1)
     assert made == {"compute_threads": 1, "compute_cpu_s": 3.0, "other_cpu_s": 0.75,
                     "busiest": [["a", 3.0], ["b", 0.5], ["c", 0.25]]}
+
+
+def test_like_for_like_compares_requests_of_equal_length_only():
+    """Per level, the first server's summed time over another's, over the first round's requests both answered
+    with the same number of tokens (texts that end elsewhere are different work)."""
+    from specdecode.bench.load_report import like_for_like, markdown
+    req = lambda i, tokens, e2e, c=1, r=1: {"id": i, "concurrency": c, "round": r, "tokens": tokens, "e2e_s": e2e,  # noqa: E731
+                                             "error": None}
+    a = [req("p", 128, 4.0), req("q", 128, 5.0), req("s", 60, 1.0), req("p", 128, 9.0, c=4), req("p", 128, 1.0, r=2)]
+    b = [req("p", 128, 5.0), req("q", 128, 5.0), req("s", 90, 3.0), req("p", 128, 6.0, c=4), req("p", 128, 9.0, r=2),
+         {**req("t", 128, 1.0), "error": "HTTP 500"}]
+    results = {"servers": {"A": {"requests": a, "levels": [], "mismatches": []},
+                           "B": {"requests": b, "levels": [], "mismatches": []}}}
+    lines = like_for_like(results)
+    assert lines == ["", "B, requests of the same length as A's: c = 1: A / B time 0.900 over 2, c = 4: A / B time "
+                         "1.500 over 1"]
+    assert like_for_like({"servers": {"A": results["servers"]["A"]}}) == []
+    results["config"] = {"max_tokens": 128, "prompts": ["x"], "n_prompts": 3, "requests": None}
+    assert lines[1] in markdown(results)

@@ -56,7 +56,7 @@ def markdown(results: dict) -> str:
               "Other threads' CPU: CPU time of a launched server's threads other than its busiest `--threads` "
               "(the decoding threads) over the round's load, per completion token: with as many cores as "
               "decoding threads, time taken from the decoding."]
-    lines += cross_server(results)
+    lines += cross_server(results) + like_for_like(results)
     mismatches = [(name, m) for name, srv in results["servers"].items() for m in srv["mismatches"]]
     if mismatches:
         lines += ["", "## Greedy mismatches", "", "| server | concurrency | prompt | first differing char | "
@@ -80,6 +80,31 @@ def cross_server(results: dict) -> list[str]:
         f"{name} {sum(1 for k, v in solo.items() if ref.get(k) == v)}/{sum(1 for k in solo if k in ref)}"
         for name, solo in named[1:])]
     return out
+
+
+def like_for_like(results: dict) -> list[str]:
+    """Greedy texts differ between servers (near-ties under other pass shapes), and a text that ends early makes the
+    whole level's tok/s compare different work. So, per level, over the requests (first round) that this server and
+    the first one answered with the same number of tokens: the first server's summed request time over this one's
+    (> 1: this one is faster)."""
+    servers = list(results["servers"].items())
+    if len(servers) < 2:
+        return []
+    key = lambda q: (q["concurrency"], q.get("round", 1), q["id"])  # noqa: E731
+    done = lambda srv: {key(q): q for q in srv.get("requests", []) if q.get("error") is None}  # noqa: E731
+    first_name, first = servers[0][0], done(servers[0][1])
+    out = []
+    for name, srv in servers[1:]:
+        mine, per_level = done(srv), {}
+        for k, q in mine.items():
+            ref = first.get(k)
+            if k[1] == 1 and ref is not None and ref["tokens"] == q["tokens"]:
+                n, a, b = per_level.get(k[0], (0, 0.0, 0.0))
+                per_level[k[0]] = (n + 1, a + ref["e2e_s"], b + q["e2e_s"])
+        if per_level:
+            out.append(f"{name}, requests of the same length as {first_name}'s: " + ", ".join(
+                f"c = {c}: {first_name} / {name} time {a / b:.3f} over {n}" for c, (n, a, b) in sorted(per_level.items())))
+    return ["", *out] if out else []
 
 
 def plot(results: dict, path: Path) -> Path | None:
