@@ -2,6 +2,7 @@
 against our server at concurrency 1 and 3 (loopback only, a handful of requests), and the launch of a peer."""
 import asyncio
 import json
+import sys
 
 import httpx
 import pytest
@@ -297,8 +298,10 @@ def test_llama_cpp_python_server_as_a_reference_peer(tmp_path, capsys):
     assert "| llama-cpp-python | 2 | 3/3 |" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread ids as psutil reads them on Linux")
 def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
-    """Per-thread CPU over a round: the `compute` busiest threads apart from the others (new threads from zero)."""
+    """Per-thread CPU over a round: the `compute` busiest threads apart from the others (new threads from zero;
+    an ended thread's time is kept in the processes' total)."""
     import os
     import threading
     import time
@@ -315,7 +318,9 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     spin = threading.Thread(target=busy)
     spin.start()
     time.sleep(0.05)
+    deadline = time.monotonic() + 30
     while spin.native_id not in thread_cpu(os.getpid()) or thread_cpu(os.getpid())[spin.native_id][1] < 0.25:
+        assert time.monotonic() < deadline, "the spinning thread never showed 0.25 s of CPU"
         time.sleep(0.05)
     after = thread_cpu(os.getpid())
     done.set()
@@ -324,6 +329,8 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     split = cpu_split(before, after, 1)
     assert split["compute_cpu_s"] >= 0.1 and split["compute_cpu_s"] == round(after[spin.native_id][1] - 0.0, 3)
     assert cpu_split(None, after, 1) is None and thread_cpu(2 ** 22 + 7) is None
+    ended = thread_cpu(os.getpid())  # the spinner has ended: its time stays in the total, outside the busiest
+    assert spin.native_id not in ended and cpu_split(before, ended, 0)["other_cpu_s"] >= 0.25
     made = cpu_split({1: ("a", 1.0), 2: ("b", 2.0)}, {1: ("a", 4.0), 2: ("b", 2.5), 3: ("c", 0.25)}, 1)
     assert made == {"compute_threads": 1, "compute_cpu_s": 3.0, "other_cpu_s": 0.75,
                     "busiest": [["a", 3.0], ["b", 0.5], ["c", 0.25]]}
@@ -335,13 +342,14 @@ def test_like_for_like_compares_requests_of_equal_length_only():
     from specdecode.bench.load_report import like_for_like, markdown
     req = lambda i, tokens, e2e, c=1, r=1: {"id": i, "concurrency": c, "round": r, "tokens": tokens, "e2e_s": e2e,  # noqa: E731
                                              "error": None}
-    a = [req("p", 128, 4.0), req("q", 128, 5.0), req("s", 60, 1.0), req("p", 128, 9.0, c=4), req("p", 128, 1.0, r=2)]
+    a = [req("p", 128, 4.0), req("q", 128, 5.0), req("s", 60, 1.0), req("p", 128, 9.0, c=4), req("p", 128, 1.0, r=2),
+         req("p", 100, 2.0)]  # the same prompt again in the round: paired with the other's second answer to it
     b = [req("p", 128, 5.0), req("q", 128, 5.0), req("s", 90, 3.0), req("p", 128, 6.0, c=4), req("p", 128, 9.0, r=2),
-         {**req("t", 128, 1.0), "error": "HTTP 500"}]
+         {**req("t", 128, 1.0), "error": "HTTP 500"}, req("p", 100, 3.0)]
     results = {"servers": {"A": {"requests": a, "levels": [], "mismatches": []},
                            "B": {"requests": b, "levels": [], "mismatches": []}}}
     lines = like_for_like(results)
-    assert lines == ["", "B, requests of the same length as A's: c = 1: A / B time 0.900 over 2, c = 4: A / B time "
+    assert lines == ["", "B, requests of the same length as A's: c = 1: A / B time 0.846 over 3, c = 4: A / B time "
                          "1.500 over 1"]
     assert like_for_like({"servers": {"A": results["servers"]["A"]}}) == []
     results["config"] = {"max_tokens": 128, "prompts": ["x"], "n_prompts": 3, "requests": None}

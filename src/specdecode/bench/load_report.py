@@ -90,8 +90,14 @@ def like_for_like(results: dict) -> list[str]:
     servers = list(results["servers"].items())
     if len(servers) < 2:
         return []
-    key = lambda q: (q["concurrency"], q.get("round", 1), q["id"])  # noqa: E731
-    done = lambda srv: {key(q): q for q in srv.get("requests", []) if q.get("error") is None}  # noqa: E731
+    def done(srv) -> dict:  # (concurrency, round, prompt, which time the prompt came in that round) -> request
+        seen, out = {}, {}
+        for q in srv.get("requests", []):
+            k = (q["concurrency"], q.get("round", 1), q["id"])
+            seen[k] = seen.get(k, -1) + 1  # a prompt sent again (cycled rows, a level given twice) is paired in order
+            if q.get("error") is None:
+                out[(*k, seen[k])] = q
+        return out
     first_name, first = servers[0][0], done(servers[0][1])
     out = []
     for name, srv in servers[1:]:

@@ -72,21 +72,26 @@ class MemorySampler:
                 "samples": self.samples, "interval_s": self.interval}
 
 
+TOTAL = -1  # thread_cpu's key for the processes' own totals (threads that ended since count there too)
+
+
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]] | None:
     """CPU seconds (user + system) of every thread of `pid` and its descendants, by thread id, with each
-    thread's name where /proc gives it; None where `pid` is gone (or cannot be read)."""
+    thread's name where /proc gives it, and under TOTAL the processes' totals (which keep the time of threads
+    that have ended); None where `pid` is gone (or cannot be read)."""
     import psutil
     try:
         procs = [psutil.Process(pid)]
         procs += procs[0].children(recursive=True)
     except psutil.Error:
         return None
-    out: dict[int, tuple[str, float]] = {}
+    out: dict[int, tuple[str, float]] = {TOTAL: ("(all)", 0.0)}
     for proc in procs:
         try:
-            threads = proc.threads()
+            threads, times = proc.threads(), proc.cpu_times()
         except psutil.Error:
             continue
+        out[TOTAL] = ("(all)", out[TOTAL][1] + times.user + times.system)
         for t in threads:
             try:
                 name = open(f"/proc/{proc.pid}/task/{t.id}/comm").read().strip()
@@ -101,9 +106,12 @@ def cpu_split(before: dict | None, after: dict | None, compute: int) -> dict | N
     count from zero), split into the `compute` busiest and the others; None without both readings."""
     if before is None or after is None:
         return None
-    spent = sorted(((cpu - before.get(tid, ("", 0.0))[1], name) for tid, (name, cpu) in after.items()),
-                   reverse=True)
+    spent = sorted(((cpu - before.get(tid, ("", 0.0))[1], name) for tid, (name, cpu) in after.items()
+                    if tid != TOTAL), reverse=True)
     spent = [(max(0.0, s), name) for s, name in spent]
-    return {"compute_threads": compute, "compute_cpu_s": round(sum(s for s, _ in spent[:compute]), 3),
-            "other_cpu_s": round(sum(s for s, _ in spent[compute:]), 3),
+    top = sum(s for s, _ in spent[:compute])
+    others = sum(s for s, _ in spent[compute:])
+    if TOTAL in before and TOTAL in after:  # the whole processes' time less the busiest: ended threads included
+        others = max(others, after[TOTAL][1] - before[TOTAL][1] - top)
+    return {"compute_threads": compute, "compute_cpu_s": round(top, 3), "other_cpu_s": round(others, 3),
             "busiest": [[name, round(s, 3)] for s, name in spent[:compute + 4]]}
