@@ -34,6 +34,7 @@ import torch
 
 from .errors import SpecDecodeError
 from .machine import cache_dir, write_json
+from .sampling import argmax
 
 FORMAT = 4  # 2: measured after several context lengths; 3: and up to which context (max_context); 4: pad_rows,
 # and passes at both parities of the cache length
@@ -68,7 +69,7 @@ def _plain(lm, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     out = lm.forward(prompt, last_only=True)
     ids, rows = [], []
     for _ in range(n):
-        t = int(out[-1].argmax())
+        t = argmax(out[-1])
         ids.append(t)
         out = lm.forward([t])
         rows.append(out[0].clone())

@@ -8,6 +8,7 @@ import time
 from .backends import LM
 from .drafters import Drafter
 from .errors import SpecDecodeError
+from .sampling import argmax
 from .stats import Stats
 
 
@@ -30,7 +31,7 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     ids, head, t = list(prompt_ids), [], time.perf_counter()
     with target.feeding():
         if whole:
-            head = [int(target.forward(ids[keep:], last_only=True)[-1].argmax())]
+            head = [argmax(target.forward(ids[keep:], last_only=True)[-1])]
             ids += head
         elif len(ids) - 1 > keep:
             target.forward(ids[keep:-1], last_only=True)

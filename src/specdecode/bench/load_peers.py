@@ -189,12 +189,7 @@ def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_token
         log(f"{name}, concurrency {c}: {shlex.join(argv)}")
         started = time.perf_counter()
         try:
-            log_path = out_dir / "logs" / f"{name}-c{c}.log"
-            for n in range(2, 1000):  # a level given twice (--concurrency 1,1) keeps each process's log
-                if not log_path.exists():
-                    break
-                log_path = out_dir / "logs" / f"{name}-c{c}-{n}.log"
-            with Launched(argv, port, log_path, ready_timeout,
+            with Launched(argv, port, out_dir / "logs" / f"{name}-c{c}.log", ready_timeout,
                           health=HEALTH.get(name, "/health")) as srv:
                 log(f"  ready in {time.perf_counter() - started:.1f} s")
                 for r in range(1, rounds + 1):

@@ -94,7 +94,7 @@ def like_for_like(results: dict) -> list[str]:
         seen, out = {}, {}
         for q in srv.get("requests", []):
             k = (q["concurrency"], q.get("round", 1), q["id"])
-            seen[k] = seen.get(k, -1) + 1  # a prompt sent again (cycled rows, a level given twice) is paired in order
+            seen[k] = seen.get(k, -1) + 1  # a prompt sent again in a level (--requests past the prompts) is paired in order
             if q.get("error") is None:
                 out[(*k, seen[k])] = q
         return out
