@@ -115,7 +115,7 @@ def loadtest(args) -> int:
     from .load import measure_server
     from .load_peers import llama_cpp_server_missing
     from .load_report import markdown, write_outputs
-    from .run import cpu_description
+    from .run import cpu_description, hugepages_status
     if importlib.util.find_spec("httpx") is None:
         raise SpecDecodeError('`specdecode loadtest` needs httpx, which is not installed: pip install httpx')
     if args.launch and importlib.util.find_spec("psutil") is None:  # the launched servers' memory (procmem)
@@ -148,7 +148,8 @@ def loadtest(args) -> int:
     results = {"config": {"prompts": args.prompts, "n_prompts": len(prompts), "limit": args.limit,
                           "concurrency": levels, "requests": args.requests, "max_tokens": args.max_tokens,
                           "rounds": args.rounds, "temperature": 0.0, "argv": shlex.join(sys.argv)},
-               "cpu": cpu_description(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "servers": {}}
+               "cpu": cpu_description(), "memory": hugepages_status(),
+               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "servers": {}}
     for name, url in servers.items():
         log(f"{name} ({url})")
         got = measure_server(url, prompts, levels, args.max_tokens, args.requests, args.timeout, log=log)

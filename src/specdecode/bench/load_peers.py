@@ -117,11 +117,14 @@ class Launched:
     `health` (a path) to answer 200 and stops the process on exit."""
 
     def __init__(self, argv: list[str], port: int, log_path: Path, ready_timeout: float = 900.0, env=None,
-                 health: str = "/health"):
+                 health: str = "/health", ours: bool = False):
+        """ours: our own server (it keeps this process's environment, huge pages included); any other is started
+        with the environment as the user had it (hugepages.user_env)."""
+        from ..hugepages import user_env
         self.argv, self.port, self.log_path, self.health = argv, port, Path(log_path), health
         self.url = f"http://127.0.0.1:{port}"
         self.ready_timeout = ready_timeout
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**(os.environ if ours else user_env()), **(env or {})}
         self.proc = None
 
     def __enter__(self) -> Launched:
@@ -190,7 +193,7 @@ def measure_peer(name: str, prompts: list[dict], levels: list[int], *, max_token
         started = time.perf_counter()
         try:
             with Launched(argv, port, out_dir / "logs" / f"{name}-c{c}.log", ready_timeout,
-                          health=HEALTH.get(name, "/health")) as srv:
+                          health=HEALTH.get(name, "/health"), ours=name.startswith("specdecode")) as srv:
                 log(f"  ready in {time.perf_counter() - started:.1f} s")
                 for r in range(1, rounds + 1):
                     with MemorySampler(srv.proc.pid) as mem:

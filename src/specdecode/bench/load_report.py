@@ -31,6 +31,8 @@ def markdown(results: dict) -> str:
     lines = [f"# Load test: {cfg['max_tokens']} new tokens, greedy, streamed", "",
              f"CPU: {results.get('cpu') or 'unknown'}; prompts: {', '.join(cfg['prompts'])} "
              f"({cfg['n_prompts']} prompts); requests per level: {cfg['requests'] or 'every prompt once'}", "",
+             *([f"Memory: {results['memory']} (a `specdecode serve` launched here inherits it; other servers get "
+                "the environment as the user had it)", ""] if results.get("memory") else []),
              "| server | concurrency | ok/requests | total completion tok/s | TTFT p50 (ms) | TTFT p99 (ms) | "
              "ITL p50 (ms) | ITL p99 (ms) | TPOT p50 (ms) | errors (5xx) | greedy mismatches | "
              "server RSS before / peak (MiB) | other threads' CPU ms / token |",

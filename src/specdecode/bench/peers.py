@@ -34,6 +34,7 @@ class LlamaPeer:
     while ours runs; its times are taken there, around the generation only."""
 
     def __init__(self, engine: Engine, pld: bool, log_dir: str | Path = "bench-out/logs"):
+        from ..hugepages import user_env
         from .load_peers import DEFAULT_CTX
         lm = engine.target
         self.eos = sorted(engine.eos_ids)
@@ -42,7 +43,8 @@ class LlamaPeer:
         self.log = log_dir / f"llama-cpp-python{'-pld' if pld else ''}.log"
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("llama_peer_child.py"))],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         env=user_env())  # as a user starts it (no huge pages asked for by us)
         cfg = dict(model_path=str(lm.gguf_path), n_ctx=min(lm.max_length, DEFAULT_CTX), threads=lm.threads,
                    repack=bool(lm.repack), pld=pld)  # repack: off where this build's AMX kernels crash, as ours
         try:

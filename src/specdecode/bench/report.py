@@ -48,6 +48,7 @@ def _head(results: dict) -> list[str]:
              f"{cfg.get('target', '?')} ({cfg['dtype']}), draft {cfg.get('draft') or '–'} ({cfg.get('draft_dtype') or '–'}), "
              f"{cfg.get('threads', cfg['torch_threads'])} threads\n",
              f"CPU: {cfg.get('cpu', 'n/a')}\n",
+             *([f"Memory: {cfg['memory']}\n"] if cfg.get("memory") else []),
              *([f"Lookup sources: datastore {cfg['datastore']} ({cfg['datastore_tokens']:,} tokens)"
                 + (f"; history {cfg['history_tokens']:,} tokens per method" if cfg.get("history_tokens") else "") + "\n"]
                if cfg.get("datastore") else [f"Lookup sources: history {cfg['history_tokens']:,} tokens per method\n"]

@@ -133,6 +133,7 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
                                  if engine.draft_model else None,
                                  threads=engine.target.threads,
                                  torch_threads=torch.get_num_threads(), tree=tree, cpu=cpu_description(),
+                                 memory=hugepages_status(),
                                  draft_quant=engine.draft_model.lm.quant_info
                                  if engine.draft_model else None,
                                  pass_costs=costs.as_dict(),
@@ -175,6 +176,12 @@ def _make_peers(engine, methods: list[str], llama_server: str | None, log_dir) -
         close_peers(peers)
         raise
     return peers
+
+
+def hugepages_status() -> str:
+    """Huge pages for ours and for the peers started (peers get the user's environment: hugepages.user_env)."""
+    from ..hugepages import status
+    return status() + "; peers started as a user starts them"
 
 
 def cpu_description() -> str:

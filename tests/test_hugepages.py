@@ -1,0 +1,91 @@
+"""Huge pages for the weights (hugepages.py): when `specdecode` restarts itself with glibc's THP tunable, that
+peers get the user's environment back, and, on a machine where it applies, that the restarted process really
+holds huge pages."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from specdecode import hugepages
+from specdecode.bench.load_peers import Launched
+
+
+@pytest.fixture
+def madvise_glibc(monkeypatch):
+    monkeypatch.setattr(hugepages, "_thp_mode", lambda: "madvise")
+    monkeypatch.setattr(hugepages, "_glibc_has_tunable", lambda: True)
+    monkeypatch.setattr(hugepages.sys, "platform", "linux")
+
+
+def test_restart_adds_the_tunable_and_remembers_the_users(madvise_glibc):
+    argv, env = hugepages.restart_argv({"PATH": "/bin"})
+    assert argv[0] == sys.executable and argv[1:] == sys.orig_argv[1:]
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env[hugepages.BEFORE] == "" and env["PATH"] == "/bin"
+    _, env = hugepages.restart_argv({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert env[hugepages.BEFORE] == "glibc.malloc.arena_max=2"
+
+
+@pytest.mark.parametrize("environ", [{"SPECDECODE_HUGEPAGES": "0"}, {hugepages.BEFORE: ""},
+                                     {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}])
+def test_no_restart_when_off_or_done(madvise_glibc, environ):
+    assert hugepages.restart_argv(environ) is None  # no loop, and a user's own choice is kept
+
+
+@pytest.mark.parametrize("mode", ["always", "never", None])
+def test_no_restart_where_the_kernel_decides(monkeypatch, madvise_glibc, mode):
+    monkeypatch.setattr(hugepages, "_thp_mode", lambda: mode)
+    assert hugepages.restart_argv({}) is None
+
+
+def test_no_restart_without_glibc_tunable(monkeypatch, madvise_glibc):
+    monkeypatch.setattr(hugepages, "_glibc_has_tunable", lambda: False)
+    assert hugepages.restart_argv({}) is None
+
+
+def test_peers_get_the_users_environment(monkeypatch):
+    assert hugepages.user_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", hugepages.BEFORE: "", "A": "1"}) == {"A": "1"}
+    assert hugepages.user_env({"GLIBC_TUNABLES": "x=1:glibc.malloc.hugetlb=1", hugepages.BEFORE: "x=1"}) == {
+        "GLIBC_TUNABLES": "x=1"}
+    assert hugepages.user_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == {  # the user's own: kept
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    monkeypatch.setenv(hugepages.BEFORE, "")
+    peer = Launched(["true"], 1, "/tmp/unused.log")
+    ours = Launched(["true"], 1, "/tmp/unused.log", ours=True)
+    assert "GLIBC_TUNABLES" not in peer.env and hugepages.BEFORE not in peer.env
+    assert ours.env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    from specdecode.hugepages import restart_with_hugepages, status
+    restart_with_hugepages()
+    import ctypes
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    p = libc.malloc(64 << 20)  # 64 MiB from glibc's malloc (an mmap), as llama.cpp's weight buffers
+    ctypes.memset(p, 1, 64 << 20)  # touched (numpy would madvise by itself: not used here)
+    huge = [int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")][0]
+    print(os.environ.get("GLIBC_TUNABLES"), huge, sys.argv[1:], status(), sep="|")
+""")
+
+
+@pytest.mark.skipif(hugepages.restart_argv({}) is None,
+                    reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, "
+                           "or no glibc >= 2.35): nothing to restart for")
+def test_restarted_process_holds_huge_pages(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hugepages.BEFORE, "SPECDECODE_HUGEPAGES")}
+    out = subprocess.run([sys.executable, str(script), "a", "b c"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    tunables, huge, args, status = out.stdout.strip().split("|")
+    assert tunables == "glibc.malloc.hugetlb=1" and args == "['a', 'b c']", out.stderr
+    assert int(huge) >= 32 << 10, f"{huge} kB in huge pages"  # the kernel granted them
+    assert "restarted" in status
+    off = subprocess.run([sys.executable, str(script)], env={**env, "SPECDECODE_HUGEPAGES": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert off.stdout.split("|")[0] == "None" and int(off.stdout.split("|")[1]) == 0  # the negative control
