@@ -190,9 +190,12 @@ class Worker:
         with keepalive_s, ("wait", None) comes every keepalive_s seconds while the job waits in the queue."""
         quiet_since = checked = time.monotonic()
         while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), timeout=POLL_S)
-            except asyncio.TimeoutError:
+            try:  # the queue's own get under a timeout scope: no task per event, as wait_for makes
+                event = job.events.get_nowait() if job.events.qsize() else None
+                if event is None:
+                    async with asyncio.timeout(POLL_S):
+                        event = await job.events.get()
+            except TimeoutError:
                 event = None
             if disconnected is not None and time.monotonic() - checked >= POLL_S * (event is not None):
                 checked = time.monotonic()  # every POLL_S, also while events flow
