@@ -89,3 +89,17 @@ def test_restarted_process_holds_huge_pages(tmp_path):
     off = subprocess.run([sys.executable, str(script)], env={**env, "SPECDECODE_HUGEPAGES": "0"},
                          capture_output=True, text=True, timeout=120)
     assert off.stdout.split("|")[0] == "None" and int(off.stdout.split("|")[1]) == 0  # the negative control
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["/v/bin/python", "/v/bin/specdecode", "serve"], True),  # the console script
+    (["python3", "-m", "specdecode", "bench"], True),
+    (["python3", "-u", "-m", "specdecode"], True),
+    (["python3", "-m", "pytest", "tests"], False),  # a program that imports the package
+    (["python3", "-m", "specdecode.bench.llama_peer_child"], False),
+    (["python3", "my_app.py"], False),
+    (["python3", "-c", "import specdecode"], False),
+    (["python3"], False),
+])
+def test_only_the_command_restarts_at_import(argv, command):
+    assert hugepages.launched_as_command(argv) is command

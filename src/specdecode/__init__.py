@@ -1,4 +1,7 @@
 """specdecode: lossless speculative decoding for Hugging Face causal language models."""
+from .hugepages import restart_if_command
+
+restart_if_command()  # the `specdecode` command runs itself again with huge pages, before torch loads (hugepages.py)
 from .engine import METHODS, Engine, speculative_decode
 from .errors import SpecDecodeError
 from .sampling import SamplingParams, probs_from_logits
