@@ -60,8 +60,11 @@ def test_peers_get_the_users_environment(monkeypatch):
 
 
 CHILD = textwrap.dedent("""
-    import os, sys
-    from specdecode.hugepages import restart_with_hugepages, status
+    import importlib.util, os, sys
+    spec = importlib.util.spec_from_file_location("hugepages", sys.argv[1])  # by path: no package, no torch
+    hugepages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hugepages)
+    restart_with_hugepages, status = hugepages.restart_with_hugepages, hugepages.status
     restart_with_hugepages()
     import ctypes
     libc = ctypes.CDLL(None)
@@ -69,7 +72,7 @@ CHILD = textwrap.dedent("""
     p = libc.malloc(64 << 20)  # 64 MiB from glibc's malloc (an mmap), as llama.cpp's weight buffers
     ctypes.memset(p, 1, 64 << 20)  # touched (numpy would madvise by itself: not used here)
     huge = [int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")][0]
-    print(os.environ.get("GLIBC_TUNABLES"), huge, sys.argv[1:], status(), sep="|")
+    print(os.environ.get("GLIBC_TUNABLES"), huge, sys.argv[2:], status(), sep="|")
 """)
 
 
@@ -80,21 +83,25 @@ def test_restarted_process_holds_huge_pages(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hugepages.BEFORE, "SPECDECODE_HUGEPAGES")}
-    out = subprocess.run([sys.executable, str(script), "a", "b c"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, str(script), hugepages.__file__, "a", "b c"], env=env, capture_output=True,
+                         text=True, timeout=120)
     tunables, huge, args, status = out.stdout.strip().split("|")
     assert tunables == "glibc.malloc.hugetlb=1" and args == "['a', 'b c']", out.stderr
     assert int(huge) >= 32 << 10, f"{huge} kB in huge pages"  # the kernel granted them
     assert "restarted" in status
-    off = subprocess.run([sys.executable, str(script)], env={**env, "SPECDECODE_HUGEPAGES": "0"},
+    off = subprocess.run([sys.executable, str(script), hugepages.__file__], env={**env, "SPECDECODE_HUGEPAGES": "0"},
                          capture_output=True, text=True, timeout=120)
-    assert off.stdout.split("|")[0] == "None" and int(off.stdout.split("|")[1]) == 0  # the negative control
+    assert off.stdout.split("|")[:2] == ["None", "0"], off.stdout + off.stderr  # the negative control: no huge pages
 
 
 @pytest.mark.parametrize("argv, command", [
     (["/v/bin/python", "/v/bin/specdecode", "serve"], True),  # the console script
     (["python3", "-m", "specdecode", "bench"], True),
     (["python3", "-u", "-m", "specdecode"], True),
+    (["python3", "-X", "dev", "-W", "error", "-uB", "-m", "specdecode.cli", "serve"], True),
+    (["python3", "-X", "specdecode"], False),  # an option's argument, not the command
+    (["python3", "-", "specdecode"], False),  # a script from stdin must not be started again
+    (["python3", "-c", "code", "specdecode"], False),
     (["python3", "-m", "pytest", "tests"], False),  # a program that imports the package
     (["python3", "-m", "specdecode.bench.llama_peer_child"], False),
     (["python3", "my_app.py"], False),
@@ -103,3 +110,21 @@ def test_restarted_process_holds_huge_pages(tmp_path):
 ])
 def test_only_the_command_restarts_at_import(argv, command):
     assert hugepages.launched_as_command(argv) is command
+
+
+@pytest.mark.skipif(hugepages.restart_argv({}) is None, reason="no restart applies on this machine (see above)")
+@pytest.mark.parametrize("command", [["-m", "specdecode"], ["-m", "specdecode.cli"]])
+def test_the_command_restarts_itself(tmp_path, command):
+    """`python -m specdecode` ends in a process that asked for huge pages: an atexit hook (sitecustomize) prints the
+    environment of the process that exits, the restarted one (execve runs no atexit handler of the first)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, os, sys\n"
+        "atexit.register(lambda: sys.stderr.write('ENV|%s|%s\\n' % (os.environ.get('GLIBC_TUNABLES'), "
+        "os.environ.get('SPECDECODE_GLIBC_TUNABLES_BEFORE'))))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hugepages.BEFORE, "SPECDECODE_HUGEPAGES")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out = subprocess.run([sys.executable, *command, "--help"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ENV|glibc.malloc.hugetlb=1|" in out.stderr, out.stderr[-2000:]
+    off = subprocess.run([sys.executable, *command, "--help"], env={**env, "SPECDECODE_HUGEPAGES": "0"},
+                         capture_output=True, text=True, timeout=300)
+    assert "ENV|None|None" in off.stderr, off.stderr[-2000:]  # the negative control

@@ -334,9 +334,6 @@ def require_extra(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the process's own command line: run it again with huge pages for the weights (hugepages.py)
-        from .hugepages import restart_with_hugepages
-        restart_with_hugepages()
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

@@ -6,10 +6,10 @@ malloc, mapped in 4 KiB pages unless the process asks for huge ones, and where t
 (the default of Debian, Ubuntu and most clouds) nothing in llama.cpp asks. glibc does, for every block it maps,
 when started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc 2.35+); a tunable is read only at start-up, so
 the `specdecode` command starts the same command line again (execve: same process id) with it set, as the package is
-imported (before torch loads: ~0.1 s); `cli.main()` does it too when called from another entry. Measured (AMD EPYC Zen 4, 2 vCPUs,
-default pair, plain steps after HumanEval prompts, processes interleaved): 1.6 GB of the process in huge pages and
-steps ~2% faster (paired medians 0.97-0.99 against 0.98-0.99 between two default processes); MADV_COLLAPSE on the
-loaded buffers, the in-process alternative, fails with EINVAL on that kernel.
+imported (before torch loads: ~0.1 s); a program that imports the package is never restarted. Measured (AMD EPYC
+Zen 4, 2 vCPUs, default pair, plain steps after HumanEval prompts, processes interleaved): 1.6 GB of the process in
+huge pages and steps ~1.5% faster (paired median ratios 0.973-0.992 against 0.983-0.988 between two default
+processes); MADV_COLLAPSE on the loaded buffers, the in-process alternative, fails with EINVAL on that kernel.
 
 SPECDECODE_HUGEPAGES=0 turns it off. Peers that `bench` and `loadtest` start get the environment as it was before
 (`user_env`): they run as a user would start them. Library users can set the variable themselves."""
@@ -34,7 +34,8 @@ def _glibc_has_tunable() -> bool:
 
 def _thp_mode() -> str | None:
     try:
-        text = open(THP_MODE).read()
+        with open(THP_MODE) as f:
+            text = f.read()
     except OSError:
         return None
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
@@ -47,7 +48,8 @@ def restart_argv(environ=os.environ) -> tuple[list[str], dict] | None:
     tunables = environ.get("GLIBC_TUNABLES", "")
     if (environ.get("SPECDECODE_HUGEPAGES", "1") == "0" or BEFORE in environ or "glibc.malloc.hugetlb" in tunables
             or not sys.platform.startswith("linux") or not _glibc_has_tunable() or _thp_mode() != "madvise"
-            or not getattr(sys, "orig_argv", None) or not sys.executable):
+            or not getattr(sys, "orig_argv", None) or not sys.executable or getattr(sys, "frozen", False)
+            or sys.flags.interactive):
         return None
     env = dict(environ)
     env[BEFORE] = tunables
@@ -71,16 +73,23 @@ def restart_with_hugepages() -> None:
 
 
 def launched_as_command(orig_argv=None) -> bool:
-    """Whether this process is the `specdecode` command (its console script or `python -m specdecode`), not a
-    program that imports the package."""
+    """Whether this process is the `specdecode` command (its console script, `python -m specdecode` or
+    `python -m specdecode.cli`, interpreter options allowed), not a program that imports the package."""
     argv = list(getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv)
-    args = [a for a in argv[1:] if a != "-u"]  # an unbuffered run is still the command
-    return bool(args) and (os.path.basename(args[0]) == "specdecode" or args[:2] == ["-m", "specdecode"])
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            return argv[i + 1:i + 2] in (["specdecode"], ["specdecode.cli"])
+        if a in ("-c", "-") or not a.startswith("-"):  # code, stdin, or a script: the command only as its own script
+            return a not in ("-c", "-") and os.path.basename(a) == "specdecode"
+        i += 2 if a in ("-X", "-W") else 1  # an option (with its argument)
+    return False
 
 
 def restart_if_command() -> None:
-    """From the package's import: the `specdecode` command restarts before torch is imported (~0.1 s, not the
-    ~1.3 s of a restart from `cli.main`, which still does it for a `main()` called another way)."""
+    """From the package's import: the `specdecode` command restarts before torch is imported (~0.1 s; after it, a
+    restart would cost ~1.3 s)."""
     if launched_as_command():
         restart_with_hugepages()
 
@@ -99,8 +108,9 @@ def user_env(environ=os.environ) -> dict:
 
 def status(environ=os.environ) -> str:
     """One line for reports: whether this process asked for huge pages, and the kernel's mode."""
-    on = "glibc.malloc.hugetlb=1" in environ.get("GLIBC_TUNABLES", "")
+    setting = next((t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.hugetlb=")), "")
+    on = setting not in ("", "glibc.malloc.hugetlb=0")
     mode = _thp_mode() or "n/a"
-    how = "restarted with GLIBC_TUNABLES=glibc.malloc.hugetlb=1" if BEFORE in environ else "GLIBC_TUNABLES set by the user"
+    how = f"restarted with GLIBC_TUNABLES={TUNABLE}" if BEFORE in environ else f"{setting} set by the user"
     return (f"transparent huge pages: on for large allocations ({how}); kernel mode {mode}" if on
             else f"transparent huge pages: not asked for; kernel mode {mode}")

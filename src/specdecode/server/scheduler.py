@@ -190,7 +190,7 @@ class Worker:
         with keepalive_s, ("wait", None) comes every keepalive_s seconds while the job waits in the queue."""
         quiet_since = checked = time.monotonic()
         while True:
-            try:  # the queue's own get under a timeout scope: no task per event, as wait_for makes
+            try:  # the queue's own get under a timeout scope: no task per event, as wait_for makes on 3.11
                 event = job.events.get_nowait() if job.events.qsize() else None
                 if event is None:
                     async with asyncio.timeout(POLL_S):
