@@ -112,7 +112,7 @@ def test_only_the_command_restarts_at_import(argv, command):
     assert hugepages.launched_as_command(argv) is command
 
 
-@pytest.mark.skipif(hugepages.restart_argv({}) is None, reason="no restart applies on this machine (see above)")
+@pytest.mark.skipif(hugepages.restart_argv({}) is None, reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, or no glibc >= 2.35): the command has nothing to restart for")
 @pytest.mark.parametrize("command", [["-m", "specdecode"], ["-m", "specdecode.cli"]])
 def test_the_command_restarts_itself(tmp_path, command):
     """`python -m specdecode` ends in a process that asked for huge pages: an atexit hook (sitecustomize) prints the
