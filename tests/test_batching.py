@@ -480,3 +480,28 @@ def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monk
     path.write_text(json.dumps({str(k): v for k, v in table.items()}))
     with pytest.raises(AssertionError, match="measured again"):
         Slots(engine, 2)
+
+
+def test_a_slot_that_starts_during_a_call_edits_its_cache_without_waiting(engine, monkeypatch):
+    """A generation joining while the others' call runs (its slot reset, the lock held by that call) queues its cache
+    edits instead of waiting for the call (memory_ops.py); both outputs are still those of the generations alone."""
+    from specdecode.backends import compute
+    alone = [engine.generate(p, method="autoregressive", max_new_tokens=24).token_ids for p in PROMPTS[:2]]
+    slots = Slots(engine, 2)
+    ops = slots.engines[0].target._shared.ops
+    real = compute.call
+
+    def slow(f, *args):  # every call holds the context's lock 0.2 s longer: a join lands inside one
+        time.sleep(0.2)
+        return real(f, *args)
+    monkeypatch.setattr(compute, "call", slow)
+    out = [None, None]
+    first = threading.Thread(target=lambda: out.__setitem__(0, slots.run(0, PROMPTS[0], method="autoregressive",
+                                                                          max_new_tokens=24).token_ids))
+    first.start()
+    time.sleep(0.3)
+    before = ops.applied_later
+    out[1] = slots.run(1, PROMPTS[1], method="autoregressive", max_new_tokens=24).token_ids
+    first.join()
+    assert out == alone
+    assert ops.applied_later > before  # slot 1's edits were queued behind a running call, then applied
