@@ -25,7 +25,6 @@ from ..errors import SpecDecodeError
 from . import compute
 from .base import common_start
 from .llamacpp import MAX_SEQ, N_BATCH, LlamaLM
-from .memory_ops import Locked, MemoryOps
 
 GUARD_S = 0.02  # a pass waits at most this long for live generations that have not asked for theirs yet
 
@@ -160,6 +159,25 @@ def plan_split(sizes: list[int], cost: Callable[[int], float] | None, cap: int =
     return groups[::-1]
 
 
+class _Locked:
+    """llama_cpp's bindings with every call on the shared context's memory (sequence copies and removals, made
+    by a slot's own thread) under the context's lock, which a llama_decode holds too: llama.cpp's calls on one
+    context must not overlap."""
+
+    def __init__(self, lc, lock: threading.Lock):
+        self._lc, self._lock = lc, lock
+
+    def __getattr__(self, name: str):
+        f = getattr(self._lc, name)
+        if not name.startswith("llama_memory_"):
+            return f
+
+        def locked(*args):
+            with self._lock:
+                return f(*args)
+        return locked
+
+
 class SharedContext:
     """One llama.cpp context on `lm`'s weights that `slots` slots share (see the module's doc)."""
 
@@ -171,11 +189,8 @@ class SharedContext:
             raise SpecDecodeError(f"a llama.cpp context holds {MAX_SEQ} sequences: at most {MAX_SEQ // (2 + park)} "
                                   f"slots, not {slots}")
         self.lm, self.lockstep, self.cost = lm, lockstep, cost
+        self.observe: Callable[[int, float], None] | None = None  # told each call's size and seconds (LearnedCalls)
         self.lock = threading.Lock()  # one llama.cpp call on this context at a time
-        # the slots' cache edits: under the lock, queued while a call runs (memory_ops.py); a partial removal can fail
-        # on recurrent or hybrid memory, so there none is queued
-        recurrent = lc.llama_model_is_recurrent(lm._model) or lc.llama_model_is_hybrid(lm._model)
-        self.ops = MemoryOps(self.lock, queue_edits=not recurrent)
         self.prefix_lock = threading.RLock()  # slots sharing their text (LlamaSlot.keep_prefix); taken before .lock
         cparams = type(lm._cparams).from_buffer_copy(lm._cparams)
         cparams.n_ctx = max(cells, N_BATCH)
@@ -238,7 +253,10 @@ class SharedContext:
             part, todo = todo[:g], todo[g:]
             calls += 1
             try:
-                rows = self._decode([t for r in part for t in r[0]])
+                tokens, t0 = [t for r in part for t in r[0]], time.perf_counter()
+                rows = self._decode(tokens)
+                if self.observe is not None:
+                    self.observe(len(tokens), time.perf_counter() - t0)
                 k = 0
                 for r in part:
                     n = sum(1 for t in r[0] if t[3])
@@ -262,7 +280,6 @@ class SharedContext:
         batch.n_tokens = len(tokens)
         n_out = sum(1 for t in tokens if t[3])
         with self.lock:
-            self.ops.apply_queued()
             rc = compute.call(lc.llama_decode, self.ctx, batch)
             if rc != 0:
                 raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched pass; "
@@ -289,7 +306,7 @@ class LlamaSlot(LlamaLM):
         for name in ("_lc", "path", "exact", "repack", "_model", "_vocab", "vocab_size", "threads", "_cparams",
                      "device", "dtype", "name", "eos_token_ids", "eog_ids", "n_params", "quant_info"):
             setattr(self, name, getattr(lm, name))
-        self._lc = Locked(lm._lc, shared.ops)
+        self._lc = _Locked(lm._lc, shared.lock)
         self._shared, self._ctx, self._mem, self._cells = shared, shared.ctx, shared.mem, cells
         self.seq0, self.park, self._node_ids = seq0, park, list(node_ids)
         self.max_tree_nodes = len(node_ids)
