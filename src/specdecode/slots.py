@@ -169,7 +169,6 @@ class LearnedCalls:
         self.calls, self.top = calls, top
         self.running: dict[int, float] = {}
         self.seen = 0
-        calls.version = 0  # read by InCompany: its cuts are re-priced when it changes
 
     def observe(self, m: int, seconds: float) -> None:
         """A call of m tokens took `seconds` (SharedContext.decode, one call at a time)."""
@@ -180,7 +179,7 @@ class LearnedCalls:
         self.seen += 1
         if self.seen % LEARN_EVERY == 0:
             self.calls.target.update(self.running)
-            self.calls.version += 1
+            self.calls.version += 1  # InCompany re-cuts on the new costs
 
 
 class InCompany(CostModel):
@@ -231,10 +230,9 @@ class InCompany(CostModel):
         passes; tokens taken as divisible), on the measured calls (without them, one generation's table now)."""
         whole = self.calls or now
         memo = self._memo if self.calls is not None else {}
-        version = getattr(self.calls, "version", 0)
-        if version != self._version:  # the calls' table learned (LearnedCalls): cut on its new costs
+        if whole.version != self._version:  # the calls' table learned (LearnedCalls): cut on its new costs
             memo.clear()
-            self._version = version
+            self._version = whole.version
 
         def cut(m: int) -> float:
             for k in range(len(memo) + 1, m + 1):  # memo holds 1 .. len(memo)
