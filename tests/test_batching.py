@@ -204,6 +204,59 @@ def test_plan_split_follows_the_measured_cost():
     assert plan_split([600], None) == [1]  # a lone pass is never split here (the slot feeds in chunks)
 
 
+def test_a_prompts_chunk_goes_apart_from_steps_where_mixed_tiles_cost_more():
+    from specdecode.backends.split import FA_TILE, mixing
+    cost = lambda n: 0.06 + 0.01 * n  # noqa: E731  (a call: 60 ms, and 10 ms a token)
+    steps_and_chunk, cells = [1, 1, 1, 128], [1500, 1600, 1700, 1100]
+    assert mixing(steps_and_chunk, cells, 5900, 7e-5) == pytest.approx(7e-5 * (5900 - 1100))  # all but the chunk's
+    assert plan_split(steps_and_chunk, cost, cells=cells, in_use=5900, per_cell=7e-5) == [3, 1]
+    # controls: the same passes go in one call where mixing is free, the cache nearly empty, or the call untiled
+    assert plan_split(steps_and_chunk, cost) == [4]
+    assert plan_split(steps_and_chunk, cost, cells=cells, in_use=5900, per_cell=0.0) == [4]
+    assert plan_split(steps_and_chunk, cost, cells=[3, 3, 3, 130], in_use=139, per_cell=7e-5) == [4]
+    untiled = [1, 1, 1, FA_TILE - 4]
+    assert mixing(untiled, cells, 5900, 7e-5) == 0.0
+    assert plan_split(untiled, cost, cells=cells, in_use=5900, per_cell=7e-5) == [4]
+    assert mixing([128], [1100], 5900, 7e-5) == 0.0  # one generation: nothing mixed
+
+
+def test_shared_context_decode_cuts_by_the_mixing_cost(engine):
+    slots = Slots(engine, 2)
+    shared = slots.engines[0].target._shared
+    a, b = (e.target for e in slots.engines)
+    b.forward([(7 * i + 3) % 200 for i in range(150)], last_only=True)  # a text far in: its cells fill the cache
+
+    def calls(per_cell: float) -> int:
+        shared.per_cell = per_cell
+        chunk = [[(5, k, [a.seq0], k == 79) for k in range(80)], None, None, 1]
+        step = [[(9, 150, [b.seq0], True)], None, None, 2]
+        made = shared.decode([step, chunk])
+        assert chunk[1].shape[0] == 1 and step[1].shape[0] == 1 and chunk[2] is None and step[2] is None
+        for s in (a, b):
+            shared._lc.llama_memory_seq_rm(shared.mem, s.seq0, 150 if s is b else 0, -1)
+        return made
+    assert calls(0.0) == 1  # control: mixing free, one call carries both
+    assert calls(1.0) == 2  # mixing dear: the chunk's call holds only its own generation
+
+
+def test_time_mixing_is_measured_and_cached_with_the_calls(engine):
+    import json
+    from specdecode.backends.split import time_mixing
+    from specdecode.slots import costs_path
+    slots = Slots(engine, 2)
+    shared = slots.engines[0].target._shared
+    raw = json.loads(costs_path(engine.target, 2).read_text())
+    assert shared.per_cell == raw["per_cell"] >= 0.0
+    steps = []  # the other slot's step positions in the timed calls
+    real = shared._decode
+    shared._decode = lambda tokens: (steps.extend(t[1] for t in tokens[63:]), real(tokens))[1]
+    seconds = time_mixing(shared, context=32, far=128, repeats=1)
+    del shared._decode
+    assert 32 in steps and 32 + 128 in steps  # timed beside a text 32 and then 160 cells in
+    assert 0.0 <= seconds < 0.01 and all(len(s.ids) == 0 for s in shared.slots)  # the slots left empty
+    assert time_mixing(Slots(engine, 1).engines[0].target._shared) == 0.0  # one slot: nothing to mix
+
+
 def test_lockstep_runs_a_thread_outside_any_generation_at_once():
     class Fake:
         def decode(self, batch, done=None, more=None):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .backends import cache_dir, slots as make_slots
 from .backends.batching import Lockstep
+from .backends.split import time_mixing
 from .engine import Engine
 from .errors import SpecDecodeError
 from .machine import write_json
@@ -114,8 +115,8 @@ class Slots:
 # slots, ms: 8: 226, 12: 279, 14: 331, 16: 280; the 8/12/16 points alone priced a 14-token call at 268), then a few
 CALL_SIZES = tuple(range(1, 17)) + (20, 24)
 CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding
-CALLS_FORMAT = 2  # the cached table's format: 2, measured with every pass on the compute thread (1 was up to 25% slow),
-# every size to 16
+CALLS_FORMAT = 3  # the cached table's format: 2, measured with every pass on the compute thread (1 was up to 25% slow),
+# every size to 16; 3: with what a tiled call spends per cell of another generation it mixes in ("per_cell")
 
 
 def prefill_chunk_from(calls: CostModel) -> int:
@@ -135,20 +136,23 @@ def costs_path(lm, n: int) -> Path:
 
 def call_costs(shared, n: int, path: Path, progress: bool = True) -> CostModel:
     """The target's table of whole calls over n slots (SharedContext.time_calls), read from `path` or
-    measured there (a few seconds: each slot reads 128 tokens first)."""
+    measured there (a few seconds: each slot reads 128 tokens first, one slot 1,024 more for split.time_mixing); sets
+    `shared.per_cell` (time_mixing) from the same file."""
     room = shared.slots[0].max_length - 128  # time_calls: 128 tokens in each slot first
     sizes = [m for m in CALL_SIZES if m <= max(4 * n, 8)] + [m for m in CHUNK_SIZES if n <= m - n < room]
     try:
         raw = json.loads(path.read_text())
         table = {int(k): float(v) for k, v in raw["calls"].items()}
         if raw.get("format") == CALLS_FORMAT and set(sizes) <= set(table) and all(v > 0 for v in table.values()):
+            shared.per_cell = max(0.0, float(raw["per_cell"]))
             return CostModel(table)
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         pass  # none yet, damaged, or of an older format: measure
     if progress:
         sys.stderr.write(f"measuring batched pass costs for {n} slots (once per machine)...\n")
     table = shared.time_calls(sizes, chunk_from=min(CHUNK_SIZES))
-    write_json(path, {"format": CALLS_FORMAT, "calls": table})
+    shared.per_cell = time_mixing(shared)
+    write_json(path, {"format": CALLS_FORMAT, "calls": table, "per_cell": shared.per_cell})
     return CostModel(table)
 
 

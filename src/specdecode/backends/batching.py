@@ -25,6 +25,7 @@ from ..errors import SpecDecodeError
 from . import compute
 from .base import common_start
 from .llamacpp import MAX_SEQ, N_BATCH, LlamaLM
+from .split import plan_split
 
 GUARD_S = 0.02  # a pass waits at most this long for live generations that have not asked for theirs yet
 
@@ -135,30 +136,6 @@ class Lockstep:
         return req[1]
 
 
-def plan_split(sizes: list[int], cost: Callable[[int], float] | None, cap: int = N_BATCH) -> list[int]:
-    """Where to cut a list of passes (their token counts, in order) into llama_decode calls: the cut that
-    costs least by `cost` (seconds of one whole call over n tokens of several generations, as
-    SharedContext.time_calls measures it; None: one call per N_BATCH tokens), with every call at most `cap`
-    tokens. Returns the number of passes in each call."""
-    n = len(sizes)
-    best = [0.0] + [float("inf")] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        total = 0
-        for i in range(j - 1, -1, -1):  # the call holding passes i .. j-1
-            total += sizes[i]
-            if total > cap and i < j - 1:
-                break
-            c = best[i] + (cost(total) if cost is not None else 1.0)
-            if c < best[j]:
-                best[j], cut[j] = c, i
-    groups, j = [], n
-    while j:
-        groups.append(j - cut[j])
-        j = cut[j]
-    return groups[::-1]
-
-
 class _Locked:
     """llama_cpp's bindings with every call on the shared context's memory (sequence copies and removals, made
     by a slot's own thread) under the context's lock, which a llama_decode holds too: llama.cpp's calls on one
@@ -189,6 +166,7 @@ class SharedContext:
             raise SpecDecodeError(f"a llama.cpp context holds {MAX_SEQ} sequences: at most {MAX_SEQ // (2 + park)} "
                                   f"slots, not {slots}")
         self.lm, self.lockstep, self.cost = lm, lockstep, cost
+        self.per_cell = 0.0  # seconds a tiled call mixing generations spends per cell of the others (split.time_mixing)
         self.observe: Callable[[int, float], None] | None = None  # told each call's size and seconds (LearnedCalls)
         self.lock = threading.Lock()  # one llama.cpp call on this context at a time
         self.prefix_lock = threading.RLock()  # slots sharing their text (LlamaSlot.keep_prefix); taken before .lock
@@ -249,7 +227,8 @@ class SharedContext:
         prompts at once, one of them cached: its first token came after both 3.5 s calls, 6.9 s)."""
         calls, todo = 0, sorted(batch, key=lambda r: len(r[0]))
         while todo:
-            g = plan_split([len(r[0]) for r in todo], self.cost)[0]
+            g = plan_split([len(r[0]) for r in todo], self.cost, cells=[1 + max(t[1] for t in r[0]) for r in todo],
+                           in_use=sum(len(s.ids) for s in self.slots), per_cell=self.per_cell)[0]
             part, todo = todo[:g], todo[g:]
             calls += 1
             try:
