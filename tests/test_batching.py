@@ -239,6 +239,14 @@ def test_shared_context_decode_cuts_by_the_mixing_cost(engine):
     assert calls(1.0) == 2  # mixing dear: the chunk's call holds only its own generation
 
 
+def test_a_prefill_chunk_given_is_what_slots_read_prompts_in(engine):
+    slots = Slots(engine, 2, prefill_chunk=300)
+    assert slots.prefill_chunk == 300 and all(e.target.prefill_chunk == 300 for e in slots.engines)
+    for bad in (0, -5, 2.5, True, "64"):
+        with pytest.raises(SpecDecodeError, match="prefill_chunk must be a positive number"):
+            Slots(engine, 2, prefill_chunk=bad)
+
+
 def test_time_mixing_is_measured_and_cached_with_the_calls(engine):
     import json
     from specdecode.backends.split import time_mixing

@@ -655,6 +655,8 @@ def test_metrics_move(live):
     (["serve", "--port", "70000"], "port"),
     (["serve", "--max-tokens", "0"], "max-tokens"),
     (["serve", "--ctx-size", "1"], "ctx-size"),
+    (["serve", "--parallel", "2", "--prefill-chunk", "0"], "prefill-chunk must be at least 1"),
+    (["serve", "--parallel", "2", "--prefill-chunk", "513"], "prefill-chunk must be at most 512"),
     (["serve", "--target", "somewhere", "--method", "draft"], "draft model"),
 ])
 def test_serve_usage_errors(args, match, capsys):

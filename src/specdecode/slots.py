@@ -39,6 +39,9 @@ class Slots:
         costs in company (InCompany)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise SpecDecodeError(f"the number of slots must be a positive integer, got {n!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise SpecDecodeError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
         if engine.target.batch_error is not None:  # before any cost measurement
             raise SpecDecodeError(engine.target.batch_error)
         if engine.exact:  # llama.cpp places each token's cell itself: sharing a cache breaks the cell order

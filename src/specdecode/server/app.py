@@ -312,9 +312,12 @@ def check_serve_args(args) -> str | None:
     if not args.timeout > 0 or math.isinf(args.timeout):
         raise SpecDecodeError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2),
-                               ("--parallel", getattr(args, "parallel", 1), 1)):
+                               ("--parallel", getattr(args, "parallel", 1), 1),
+                               ("--prefill-chunk", getattr(args, "prefill_chunk", None), 1)):
         if value is not None and value < least:
             raise SpecDecodeError(f"{flag} must be at least {least}, got {value}")
+    if (getattr(args, "prefill_chunk", None) or 0) > 512:
+        raise SpecDecodeError(f"--prefill-chunk must be at most 512 (one llama_decode call), got {args.prefill_chunk}")
     if getattr(args, "parallel", 1) > 1 and args.exact:
         raise SpecDecodeError("--exact serves one request at a time: with --parallel, llama.cpp places the cache cells of "
                               "several generations itself, so attention may sum in another order than alone")
@@ -352,7 +355,7 @@ def serve(args) -> None:
     slots = None
     if args.parallel > 1:
         from ..slots import Slots
-        slots = Slots(engine, args.parallel)
+        slots = Slots(engine, args.parallel, prefill_chunk=args.prefill_chunk)
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
                      show_sources=args.speculation_sources, slots=slots)
