@@ -509,26 +509,17 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
         assert text == alone.text
 
 
-def test_prefill_chunk_is_the_smallest_call_near_the_cheapest_per_token():
-    from specdecode.planning.costs import CostModel
-    from specdecode.slots import prefill_chunk_from
-    calls = {1: .04, 4: .1, 16: .3, 32: .40, 64: .64, 128: 1.2, 256: 2.4}  # per token: 12.5, 10, 9.4, 9.4 ms
-    assert prefill_chunk_from(CostModel(calls)) == 64
-    assert prefill_chunk_from(CostModel({**calls, 32: .32})) == 32
-    assert prefill_chunk_from(CostModel({**calls, 64: .9, 128: 1.9})) == 256  # only the biggest is cheap
-    assert prefill_chunk_from(CostModel({1: .04, 4: .1, 16: .3})) == 16  # no chunk sizes measured: the biggest
-
-
 def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monkeypatch):
     import json
     from specdecode.backends.batching import SharedContext
-    from specdecode.slots import CALLS_FORMAT, costs_path, prefill_chunk_from
+    from specdecode.backends.llamacpp import N_BATCH
+    from specdecode.slots import CALLS_FORMAT, costs_path
     slots = Slots(engine, 2)
     raw = json.loads(costs_path(engine.target, 2).read_text())
     assert raw["format"] == CALLS_FORMAT
     table = {int(k): v for k, v in raw["calls"].items()}
     assert {1, 2, 3, 4, 8, 32, 64, 128, 256} <= set(table) and all(v > 0 for v in table.values())
-    assert slots.prefill_chunk == prefill_chunk_from(slots.calls) in (32, 64, 128, 256)
+    assert slots.prefill_chunk == N_BATCH  # one llama_decode call a chunk, the others' steps between calls
     assert all(e.target.prefill_chunk == slots.prefill_chunk for e in slots.engines)
     assert slots.engines[0].target._shared.cost(3) == pytest.approx(table[3])  # what plan_split reads
 

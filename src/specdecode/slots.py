@@ -29,7 +29,6 @@ from .machine import write_json
 from .planning.costs import CostModel
 from .stats import Generation
 
-CHUNK_SLACK = 1.10  # a prompt's chunk: the smallest measured call within 10% of the cheapest per token (prefill_chunk)
 
 
 class Slots:
@@ -58,7 +57,7 @@ class Slots:
         self.calls = call_costs(targets[0]._shared, n, costs_path(engine.target, n), engine.progress)
         targets[0]._shared.cost = self.calls.t
         targets[0]._shared.observe = LearnedCalls(self.calls).observe  # kept current by the calls that run
-        self.prefill_chunk = prefill_chunk or prefill_chunk_from(self.calls)
+        self.prefill_chunk = prefill_chunk or targets[0].prefill_chunk  # one call (see the note at CHUNK_SIZES)
         drafts = [None] * n  # the draft's waiting passes: one call each time
         if engine.draft_model is not None:
             drafts = make_slots(engine.draft_model.lm, n, cells, self.lockstep, None)
@@ -117,19 +116,16 @@ class Slots:
 # tokens in one call over several generations (time_calls): every size to 16, where kernels change (on a Zen 4 over 8
 # slots, ms: 8: 226, 12: 279, 14: 331, 16: 280; the 8/12/16 points alone priced a 14-token call at 268), then a few
 CALL_SIZES = tuple(range(1, 17)) + (20, 24)
-CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding
+CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding (plan_split's cuts)
+# A prompt's chunk beside decoding generations: a slot's default, N_BATCH tokens (one llama_decode call), the others'
+# steps between the calls. Bigger calls read a prompt faster per token, and at long contexts the others' steps go in a call of their own
+# (split.mixing), which each chunk adds. Measured, Xeon, 4 slots, 12 chat prompts of 617-1,914 tokens served 4 at a
+# time (README, runs 30-31): chunks of 128 (the smallest call within 10% of the cheapest per token at 128 cells, the
+# rule before), first tokens p99 44.9 s, llama-server 29.5; chunks of 512, 27.4 s at the same throughput, the others'
+# steps p99 6.9 s apart (llama-server's 11.7: it reads up to 2,048 prompt tokens between two steps). `serve
+# --prefill-chunk` / Slots(prefill_chunk=) trade first tokens for steadier steps.
 CALLS_FORMAT = 3  # the cached table's format: 2, measured with every pass on the compute thread (1 was up to 25% slow),
 # every size to 16; 3: with what a tiled call spends per cell of another generation it mixes in ("per_cell")
-
-
-def prefill_chunk_from(calls: CostModel) -> int:
-    """Tokens of a prompt per pass while other generations decode: the smallest measured call whose cost per token
-    is within CHUNK_SLACK of the cheapest per token. A bigger chunk reads the prompt little faster and makes every
-    other generation wait longer each step (llama-server reads a whole prompt in one call: the others' tokens
-    wait for all of it)."""
-    sizes = [m for m in CHUNK_SIZES if m in calls.target] or [max(calls.target)]
-    best = min(calls.target[m] / m for m in sizes)
-    return next(m for m in sizes if calls.target[m] / m <= CHUNK_SLACK * best)
 
 
 def costs_path(lm, n: int) -> Path:
