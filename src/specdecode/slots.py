@@ -118,8 +118,8 @@ class Slots:
 CALL_SIZES = tuple(range(1, 17)) + (20, 24)
 CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding (plan_split's cuts)
 # A prompt's chunk beside decoding generations: a slot's default, N_BATCH tokens (one llama_decode call), the others'
-# steps between the calls. Bigger calls read a prompt faster per token, and at long contexts the others' steps go in a call of their own
-# (split.mixing), which each chunk adds. Measured, Xeon, 4 slots, 12 chat prompts of 617-1,914 tokens served 4 at a
+# steps between the calls. Bigger calls read a prompt faster per token, and at long contexts the others' steps go in
+# a call of their own (split.mixing), which each chunk adds. Measured, Xeon, 4 slots, 12 chat prompts of 617-1,914 tokens served 4 at a
 # time (README, runs 30-31): chunks of 128 (the smallest call within 10% of the cheapest per token at 128 cells, the
 # rule before), first tokens p99 44.9 s, llama-server 29.5; chunks of 512, 27.4 s at the same throughput, the others'
 # steps p99 6.9 s apart (llama-server's 11.7: it reads up to 2,048 prompt tokens between two steps). `serve
