@@ -117,7 +117,7 @@ def _serve_parser(sub) -> None:
                         "each gets --ctx-size tokens, default 4096, less its tree room); default 1")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="with --parallel: tokens of a prompt per pass while other generations decode, up to 512 "
-                        "(bigger: first tokens sooner, the others' steps wait longer; default: measured)")
+                        "(bigger: first tokens sooner, the others' steps wait longer; default 512, one call)")
     r = s.add_argument_group("Ray Serve: replicas, on one machine or a Ray cluster (needs the ray extra)")
     r.add_argument("--ray", action="store_true", help="serve as Ray Serve replicas, each with its own models (on "
                                                       "$RAY_ADDRESS or a local `ray start`'s cluster, else a new one)")

@@ -30,7 +30,6 @@ from .planning.costs import CostModel
 from .stats import Generation
 
 
-
 class Slots:
     def __init__(self, engine: Engine, n: int, cells: int | None = None, prefill_chunk: int | None = None):
         """n slots sharing a context of `cells` KV entries (default: 4,096 per slot, within the model's context),
@@ -119,11 +118,11 @@ CALL_SIZES = tuple(range(1, 17)) + (20, 24)
 CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding (plan_split's cuts)
 # A prompt's chunk beside decoding generations: a slot's default, N_BATCH tokens (one llama_decode call), the others'
 # steps between the calls. Bigger calls read a prompt faster per token, and at long contexts the others' steps go in
-# a call of their own (split.mixing), which each chunk adds. Measured, Xeon, 4 slots, 12 chat prompts of 617-1,914 tokens served 4 at a
-# time (README, runs 30-31): chunks of 128 (the smallest call within 10% of the cheapest per token at 128 cells, the
-# rule before), first tokens p99 44.9 s, llama-server 29.5; chunks of 512, 27.4 s at the same throughput, the others'
-# steps p99 6.9 s apart (llama-server's 11.7: it reads up to 2,048 prompt tokens between two steps). `serve
-# --prefill-chunk` / Slots(prefill_chunk=) trade first tokens for steadier steps.
+# a call of their own (split.mixing), which each chunk adds. Measured, Xeon, 4 slots, 12 chat prompts of 617-1,914
+# tokens served 4 at a time (README, runs 30-31): chunks of 128 (the smallest call within 10% of the cheapest per
+# token at 128 cells, the rule before), first tokens p99 44.9 s, llama-server 29.5; chunks of 512, 27.4 s at the same
+# throughput, the others' steps p99 6.9 s apart (llama-server's 11.7: it reads up to 2,048 prompt tokens between two
+# steps). `serve --prefill-chunk` / Slots(prefill_chunk=) trade first tokens for steadier steps.
 CALLS_FORMAT = 3  # the cached table's format: 2, measured with every pass on the compute thread (1 was up to 25% slow),
 # every size to 16; 3: with what a tiled call spends per cell of another generation it mixes in ("per_cell")
 

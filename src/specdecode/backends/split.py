@@ -22,7 +22,7 @@ FA_TILE = 64  # tokens of a call from which llama.cpp's CPU flash attention runs
 def mixing(sizes: list[int], cells: list[int], in_use: int, per_cell: float) -> float:
     """Seconds one call of these passes (their token counts, and the cache cells each one's generation holds) spends
     on tiles that mix generations, if it is tiled (FA_TILE tokens or more) and holds several: `per_cell`
-    (SharedContext.time_mixing) for each of the `in_use` cells of the cache (every generation's) but the cells of the
+    (time_mixing) for each of the `in_use` cells of the cache (every generation's) but the cells of the
     biggest pass's generation. Not only the mixed-in generations' own: a decoding generation's cells lie one or a
     few per step between everyone's, so a tile holding its row reads nearly every block of the cache (measured,
     Xeon, 4 slots: a 128-token chunk with one step of a generation 700 cells in, 450 ms dearer than alone, where its
