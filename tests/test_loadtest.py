@@ -326,8 +326,12 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     done.set()
     spin.join()
     assert spin.native_id in after and spin.native_id not in before
-    split = cpu_split(before, after, 1)
-    assert split["compute_cpu_s"] >= 0.1 and split["compute_cpu_s"] == round(after[spin.native_id][1], 3)
+    split, spun = cpu_split(before, after, 1), round(after[spin.native_id][1], 3)
+    # the busiest thread: the spinner, unless another thread or child process of this (xdist worker) process spent more
+    # in the same window (seen once in the fast lane under its own load); either way at least the spinner's time, and
+    # the spinner among the busiest listed
+    assert split["compute_cpu_s"] >= max(0.1, spun)
+    assert any(seconds == spun for _, seconds in split["busiest"])
     assert cpu_split(None, after, 1) is None and thread_cpu(2 ** 22 + 7) is None
     ended = thread_cpu(os.getpid())  # the spinner has ended: its time stays in the total, outside the busiest
     assert spin.native_id not in ended and cpu_split(before, ended, 0)["other_cpu_s"] >= 0.25
