@@ -1,0 +1,255 @@
+"""The docs as a contract: the README's shape and set-up commands, dotted names that resolve, paths that
+exist, and the examples marked runnable run on the tiny test models.
+
+Runnable examples: a fenced ```python block right after a line `<!-- runnable -->` (invisible on GitHub and
+in the MkDocs site). It is run as written, with `Engine.load()` without a target loading the tiny test
+models instead of the default pair. `<!-- runnable: prediction -->` marks an example of predicted outputs:
+it is skipped, with the reason, while the Engine has no `prediction` argument.
+"""
+import importlib
+import inspect
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+MAX_README_LINES = 250
+
+
+def doc_files() -> list[Path]:
+    return [README] + sorted(DOCS.rglob("*.md"))
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+# --- (a) the README's shape ------------------------------------------------------------------------------
+
+def readme_problems(text: str) -> list[str]:
+    """What is wrong with a README's shape: too long, or not opening with the two set-up commands."""
+    lines = text.split("\n")
+    problems = []
+    if len(lines) - (lines[-1] == "") > MAX_README_LINES:
+        problems.append(f"{len(lines)} lines, more than {MAX_README_LINES}")
+    fence = next((i for i, line in enumerate(lines) if line.startswith("```")), None)
+    if fence is None or lines[fence] != "```bash" or any(line.strip() for line in lines[1:fence] if not line.startswith("#")):
+        problems.append("the first thing after the title must be the ```bash block of the set-up commands")
+        return problems
+    first, second = lines[fence + 1], lines[fence + 2]
+    for cmd, tail in ((first, 'pip install -e ".[models]" && specdecode generate'),
+                      (second, 'pip install -e ".[models,test]" && python -m pytest')):
+        if not (cmd.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch") and tail in cmd):
+            problems.append(f"not a set-up command: {cmd[:80]!r}")
+    if lines[fence + 3] != "```":
+        problems.append("the set-up block holds more than the two commands")
+    return problems
+
+
+def test_readme_is_short_and_opens_with_the_setup_commands():
+    assert readme_problems(README.read_text()) == []
+
+
+def test_readme_shape_check_fails_on_a_long_readme_or_a_missing_command():
+    text = README.read_text()
+    assert readme_problems(text + "more\n" * MAX_README_LINES)
+    lines = text.split("\n")
+    fence = lines.index("```bash")
+    assert readme_problems("\n".join(lines[:fence + 1] + lines[fence + 2:]))  # the first command left out
+    assert readme_problems("# specdecode\n\nSome prose first.\n\n" + "\n".join(lines[fence:]))
+
+
+def test_ci_runs_the_readme_test_command():
+    """CI's command is the README's second set-up command, with the docs build before the test run."""
+    second = README.read_text().split("```bash\n", 1)[1].split("\n")[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "mkdocs build --strict" in ci
+    ci_command = next(line for line in ci.split("\n") if line.startswith("python3 -m venv"))
+    assert re.sub(r"(NO_MKDOCS_2_WARNING=1 )?mkdocs build --strict && ", "", ci_command) == second
+
+
+def setup_block(text: str) -> str:
+    return text.split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+def test_installation_page_shows_the_readme_setup_commands():
+    page = (DOCS / "guide" / "backends.md").read_text()
+    assert setup_block(page) == setup_block(README.read_text())
+    assert setup_block("```bash\nold\n```\n") != setup_block(README.read_text())
+
+
+# --- (d) no history in the README ------------------------------------------------------------------------
+
+HISTORY = re.compile(r"issue [0-9]+|run [0-9]+|stop [0-9]+")
+
+
+def test_readme_names_no_issue_run_or_stop():
+    hits = [f"{i}: {line}" for i, line in enumerate(README.read_text().split("\n"), 1) if HISTORY.search(line)]
+    assert hits == []
+    assert HISTORY.search("as measured in run 27") and HISTORY.search("see issue 16")  # the pattern can hit
+
+
+# --- (b) dotted names and paths ---------------------------------------------------------------------------
+
+DOTTED = re.compile(r"(?<![\w./-])specdecode(?:\.[A-Za-z_]\w*)+")
+
+
+def resolves(name: str) -> bool:
+    """Whether `specdecode.a.b.C.d` names something: the longest importable module, then attributes."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as e:
+            if e.name and not ".".join(parts[:cut]).startswith(e.name):  # a dependency is missing, not the name
+                raise
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def dotted_names() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in doc_files():
+        for name in DOTTED.findall(path.read_text()):
+            found.setdefault(name.rstrip("."), []).append(rel(path))
+    return found
+
+
+def test_docs_mention_dotted_names():
+    names = dotted_names()
+    assert "specdecode.engine" in names and "specdecode.verify" in names  # the scan finds what is there
+
+
+@pytest.mark.parametrize("name", sorted(dotted_names()))
+def test_every_dotted_name_in_the_docs_resolves(name):
+    assert resolves(name), f"{name} (in {', '.join(sorted(set(dotted_names()[name])))}) does not import"
+
+
+def test_the_resolver_rejects_stale_and_made_up_names():
+    assert resolves("specdecode.planning.tree.TreeDrafter") and resolves("specdecode.Engine.load")
+    assert not resolves("specdecode.tree.TreeDrafter")  # where it lived before planning/
+    assert not resolves("specdecode.costs")
+    assert not resolves("specdecode.engine.no_such_thing")
+    assert DOTTED.findall("see `specdecode.planning.costs`, not docs/specdecode.x") == ["specdecode.planning.costs"]
+
+
+SRC_PATH = re.compile(r"src/specdecode/[\w/]+\.py")
+
+
+def test_source_paths_in_the_docs_exist():
+    missing = [f"{rel(p)}: {m}" for p in doc_files() for m in SRC_PATH.findall(p.read_text()) if not (ROOT / m).exists()]
+    assert missing == []
+
+
+def test_readme_points_at_the_file_that_holds_the_loop():
+    m = re.search(r"`speculative_decode` in \[`(src/specdecode/[\w/]+\.py)`\]", README.read_text())
+    assert m, "the README's 'How one step works' names the loop's file"
+    assert "def speculative_decode(" in (ROOT / m.group(1)).read_text()
+
+
+# --- (c) runnable examples --------------------------------------------------------------------------------
+
+RUNNABLE = re.compile(r"^<!-- runnable(?:: (?P<tag>[\w-]+))? -->\n```python\n(?P<code>.*?)^```$", re.M | re.S)
+
+
+def runnable_examples() -> list:
+    out = []
+    for path in doc_files():
+        for i, m in enumerate(RUNNABLE.finditer(path.read_text())):
+            out.append(pytest.param(m.group("code"), m.group("tag"), id=f"{rel(path)}#{i}"))
+    return out
+
+
+def test_readme_and_guide_have_runnable_examples():
+    ids = [p.id for p in runnable_examples()]
+    assert any(i.startswith("README.md#") for i in ids) and any(i.startswith("docs/guide/") for i in ids)
+    assert not RUNNABLE.search("```python\nprint(1)\n```\n")  # a block without the marker is not run
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("docs-cache")  # pass costs of the tiny models, measured once for the module
+
+
+@pytest.fixture
+def tiny_load(tiny_dirs, shared_cache, monkeypatch):
+    """Engine.load() without a target loads the tiny test models (torch) instead of the default pair."""
+    from specdecode import Engine
+    monkeypatch.setenv("SPECDECODE_CACHE", str(shared_cache))
+    real = Engine.load.__func__
+    target, draft = tiny_dirs
+
+    def load(cls, target_name=None, draft_name=None, **kwargs):
+        if target_name is None:
+            target_name, draft_name = str(target), str(draft)
+        kwargs.setdefault("progress", False)
+        return real(cls, target_name, draft_name, **kwargs)
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    return Engine
+
+
+def has_prediction() -> bool:
+    from specdecode import Engine
+    return "prediction" in inspect.signature(Engine.stream).parameters
+
+
+@pytest.mark.parametrize("code, tag", runnable_examples())
+def test_runnable_example(code, tag, tiny_load, capsys):
+    if tag == "prediction" and not has_prediction():
+        pytest.skip("Engine.stream has no `prediction` argument yet")
+    assert tag in (None, "prediction"), f"unknown runnable tag {tag!r}"
+    exec(compile(code, "<doc example>", "exec"), {"__name__": "__doc_example__"})
+    assert capsys.readouterr().out.strip()  # every example prints something
+
+
+def test_a_broken_example_fails(tiny_load):
+    code = 'from specdecode import Engine\nEngine.load().generate("x", method="no-such-method")\n'
+    from specdecode.errors import SpecDecodeError
+    with pytest.raises(SpecDecodeError):
+        exec(compile(code, "<doc example>", "exec"), {})
+
+
+# --- the README's quick-start commands against the real CLI ------------------------------------------------
+
+def quickstart_commands() -> list[list[str]]:
+    block = README.read_text().split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line, comments=True) for line in block.split("\n") if line.startswith("specdecode ")]
+
+
+def test_quickstart_commands_parse_with_the_real_cli():
+    from specdecode.cli import build_parser
+    commands = quickstart_commands()
+    assert len(commands) >= 3
+    parser = build_parser()
+    for argv in commands:
+        if "--prediction" in argv and not has_prediction():
+            continue  # the flag lands with predicted outputs
+        parser.parse_args(argv[1:])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--no-such-flag"])
+
+
+@pytest.mark.parametrize("argv", quickstart_commands(), ids=lambda a: " ".join(a[1:3]))
+def test_quickstart_commands_run(argv, tiny_dirs, shared_cache, tmp_path, monkeypatch, capsys):
+    from specdecode.cli import main
+    if "--prediction" in argv:
+        if not has_prediction():
+            pytest.skip("the CLI has no --prediction yet")
+        (tmp_path / argv[argv.index("--prediction") + 1]).write_text("x = 1\nprint(x)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(shared_cache))
+    target, draft = tiny_dirs
+    extra = ["--target", str(target), "--draft", str(draft)]
+    if "--max-new-tokens" not in argv:
+        extra += ["--max-new-tokens", "24"]
+    assert main(argv[1:] + extra) == 0
+    assert capsys.readouterr().out.strip()
