@@ -4,7 +4,9 @@ exist, and the examples marked runnable run on the tiny test models.
 Runnable examples: a fenced ```python block right after a line `<!-- runnable -->` (invisible on GitHub and
 in the MkDocs site). It is run as written, with `Engine.load()` without a target loading the tiny test
 models instead of the default pair. `<!-- runnable: prediction -->` marks an example of predicted outputs:
-it is skipped, with the reason, while the Engine has no `prediction` argument.
+it is skipped, with the reason, while the Engine has no `prediction` argument. `<!-- runnable: server -->`
+marks a client example: it runs against `specdecode serve`'s app on the tiny models, at the address the
+example names (http://127.0.0.1:8000, replaced by the test server's).
 """
 import importlib
 import inspect
@@ -202,12 +204,27 @@ def has_prediction() -> bool:
     return "prediction" in inspect.signature(Engine.stream).parameters
 
 
+SERVED_AT = "http://127.0.0.1:8000"
+SERVED_MODEL = "qwen2.5-coder-1.5b-instruct"  # the default pair's name, which the examples send
+
+
 @pytest.mark.parametrize("code, tag", runnable_examples())
 def test_runnable_example(code, tag, tiny_load, capsys):
+    assert tag in (None, "prediction", "server"), f"unknown runnable tag {tag!r}"
     if tag == "prediction" and not has_prediction():
         pytest.skip("Engine.stream has no `prediction` argument yet")
-    assert tag in (None, "prediction"), f"unknown runnable tag {tag!r}"
-    exec(compile(code, "<doc example>", "exec"), {"__name__": "__doc_example__"})
+    srv = None
+    if tag == "server":
+        from helpers import LiveServer
+        from specdecode.server.app import create_app
+        assert SERVED_AT in code, "a client example talks to the address serve prints"
+        srv = LiveServer(create_app(tiny_load.load(), model_id=SERVED_MODEL, method="auto"))
+        code = code.replace(SERVED_AT, srv.url)
+    try:
+        exec(compile(code, "<doc example>", "exec"), {"__name__": "__doc_example__"})
+    finally:
+        if srv is not None:
+            srv.stop()
     assert capsys.readouterr().out.strip()  # every example prints something
 
 
