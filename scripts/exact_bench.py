@@ -10,7 +10,7 @@ For each prompt (HumanEval's first N completions, MIT; MT-bench's first M questi
 - default mode: autoregressive and auto, for the cost of exactness (wall seconds, summed over prompts).
 Writes results.json and report.md to --out. Run it on a quiet machine.
 
-    python scripts/exact_bench.py --humaneval 20 --mtbench 10 --out docs/results/issue17-exact
+    python scripts/exact_bench.py --humaneval 20 --mtbench 10 --out exact-out
     python scripts/exact_bench.py --backend torch --dtype bf16 --humaneval 20 --mtbench 10 --out ...
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ Measures, writing results.json after every step (a cut-off run keeps what it had
    token for token and every verifier row bit for bit (certify.check_greedy); default-mode autoregressive and
    draft, with times; where exact mode pads, the control without the padding.
 The draft is the target itself (full acceptance: the verifier reads passes of every allowed size). The first H200
-run (docs/results/issue17-exact-h200/probe-padded-results.json) came from an earlier version of this script whose
+run (docs/results/exact-gpu-h200/probe-padded.json) came from an earlier version of this script whose
 measurement checked passes at even positions only.
 
     python scripts/gpu_exact_probe.py --model-dir DIR --prompts FILE --out DIR [--probe]

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 PROMPTS=${PROMPTS:-/work/shared/data/humaneval.jsonl}
 LIMIT=${LIMIT:-16}
 MAX_TOKENS=${MAX_TOKENS:-128}
-OUT=${OUT:-docs/results/issue19-ray}
+OUT=${OUT:-ray-out}
 PORT=${PORT:-8000}
 mkdir -p "$OUT"
 
