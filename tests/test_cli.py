@@ -1,6 +1,7 @@
 """The CLI contract: flags, --json shape, exit status 2 with one line on stderr."""
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -146,5 +147,7 @@ def test_incompatible_draft_exit_2(tiny_dirs, tmp_path):
 
 def test_python_m_and_console_script_help():
     assert cli("--help").returncode == 0
-    r = run(["specdecode", "generate", "--help"], timeout=120)
+    # the console script installed beside this interpreter, whether or not its bin/ is on PATH
+    script = Path(sys.executable).parent / "specdecode"
+    r = run([str(script), "generate", "--help"], timeout=120)
     assert r.returncode == 0 and "--max-new-tokens" in r.stdout
