@@ -232,7 +232,7 @@ def run_child(cmd: list[str], *, timeout: float = 300, env: dict | None = None, 
 class LiveServer:
     """uvicorn on 127.0.0.1 and a free port, in a background thread (serve's Server: its shutdown order)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):
         import socket
         import threading
         import time
@@ -245,7 +245,7 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"))  # serve's uvicorn
+        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))  # serve's uvicorn
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

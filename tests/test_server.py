@@ -287,6 +287,44 @@ def test_chat_messages_errors_are_the_engines(live, tiny_engine):
     assert r.json()["error"]["param"] == "messages"
 
 
+ROLE_ORDER_TEMPLATE = (  # as templates that check the conversation do (Llama 2's, Mistral's)
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_chat_template_error_and_a_lone_surrogate_are_the_clients_400():
+    tok = byte_tokenizer()
+    tok.chat_template = ROLE_ORDER_TEMPLATE
+    srv = LiveServer(create_app(Engine(tiny_model(0), tok, tiny_model(1), tok), model_id=MODEL, method="pld",
+                                gamma=2))
+    try:
+        url = f"{srv.url}/v1/chat/completions"
+        for stream in (False, True):
+            body = {"model": MODEL, "max_tokens": 2, "stream": stream,
+                    "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}
+            r = httpx.post(url, json=body, timeout=60)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert "Conversation roles must alternate" in err["message"] and err["param"] == "messages"
+            assert err["type"] == "invalid_request_error"
+        ok = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(url, json=ok, timeout=60).status_code == 200  # the template itself works
+        raw = (b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+               b'{"model": "tiny", "max_tokens": 2, "prompt": "a\\udc00"}')
+        for path, body in zip(("chat/completions", "completions"), raw):
+            r = httpx.post(f"{srv.url}/v1/{path}", content=body, headers={"content-type": "application/json"},
+                           timeout=60)
+            assert r.status_code == 400, r.text
+            assert "surrogate" in r.json()["error"]["message"]
+            assert r.json()["error"]["param"] == ("messages" if path == "chat/completions" else "prompt")
+        paired = b'{"model": "tiny", "max_tokens": 2, "prompt": "a\\ud83d\\ude00"}'  # a pair is one character
+        assert httpx.post(f"{srv.url}/v1/completions", content=paired,
+                          headers={"content-type": "application/json"}, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+
+
 UNSUPPORTED_FIELDS = [
     ("completions", {"logprobs": 2}, "logprobs"),
     ("chat/completions", {"logprobs": True}, "logprobs"),
@@ -417,6 +455,38 @@ def test_api_key(tiny_engine):
         m = metrics(srv.url)
         assert metric(m, "specdecode_requests_total", route="/v1/completions", status="401") == 5
         assert metric(m, "specdecode_requests_total", route="/v1/completions", status="200") == 1
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("how", ["mount", "root_path"])
+def test_api_key_under_a_path_prefix(tiny_engine, how):
+    """Under a path prefix (a Starlette Mount, uvicorn's --root-path) the request's path is /prefix/v1/...
+    while routing still matches /v1/...: the key is checked on the route that matched."""
+    app = create_app(tiny_engine, model_id=MODEL, method="pld", gamma=2, api_key=KEY)
+    if how == "mount":
+        from starlette.applications import Starlette
+        from starlette.routing import Mount
+        srv = LiveServer(Starlette(routes=[Mount("/prefix", app=app)]))
+        base = f"{srv.url}/prefix"
+    else:  # a proxy that strips the prefix before uvicorn; the app is told it through root_path
+        srv = LiveServer(app, root_path="/prefix")
+        base = srv.url
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
+            assert httpx.get(f"{base}/v1/models/{MODEL}", headers=headers).status_code == 401
+        r = httpx.post(f"{base}/v1/completions", content=b"{bad json", headers={"content-type": "application/json"})
+        assert r.status_code == 401  # before the body is read
+        good = {"Authorization": f"Bearer {KEY}"}  # the same routes with the key: they are reachable
+        assert httpx.get(f"{base}/v1/models", headers=good).json()["data"][0]["id"] == MODEL
+        ok = httpx.post(f"{base}/v1/completions", json=body, headers=good, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.get(f"{base}/health").status_code == 200
     finally:
         srv.stop()
 
@@ -846,6 +916,59 @@ def test_shutdown_while_a_pass_runs_ends_the_stream_with_an_error_event():
     assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_job_taken_but_not_started_at_shutdown_still_ends_with_an_error(monkeypatch, stream):
+    """The worker took the job out of the queue, then the server began shutting down before the job ran: its
+    client gets the shutting-down error, not a stream left open."""
+    from specdecode.server.scheduler import Worker
+    taken, proceed = threading.Event(), threading.Event()
+    run = Worker._run
+
+    def held_run(self, job, *args, **kwargs):
+        taken.set()
+        assert proceed.wait(30)
+        return run(self, job, *args, **kwargs)
+
+    monkeypatch.setattr(Worker, "_run", held_run)
+    srv = LiveServer(create_app(make_engine(), model_id=MODEL, method="autoregressive", gamma=1))
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "stream": stream}
+        results = {}
+        t = _post_in_thread(f"{srv.url}/v1/completions", body, results, "a")
+        assert taken.wait(30)
+        srv.worker.close()  # what the server's shutdown does first
+        proceed.set()
+        t.join(15)
+        assert not t.is_alive(), "the client got no end"
+        r = results["a"]
+        if stream:
+            events = [line for line in r.text.splitlines() if line]
+            assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+        else:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    finally:
+        proceed.set()
+        srv.stop()
+
+
+def test_serve_gives_uvicorn_a_graceful_shutdown_timeout(tiny_dirs, monkeypatch):
+    """uvicorn waits for open connections at shutdown without end unless told a timeout."""
+    from specdecode.server import app as app_module
+    configs = []
+
+    class Recorder:
+        def __init__(self, config):
+            configs.append(config)
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(app_module, "Server", Recorder)
+    target, draft = tiny_dirs
+    assert main(["serve", "--target", str(target), "--draft", str(draft), "--method", "pld", "--port", "0"]) == 0
+    assert configs and 0 < configs[0].timeout_graceful_shutdown <= 30
+
+
 class _FailingStream(_ControlledStream):
     """Two deltas, then `how`: "raise" (the generation fails) or "unserializable" (its stats cannot be sent)."""
 
@@ -888,6 +1011,55 @@ def test_an_error_after_the_stream_began_ends_it_with_an_error_event(how):
         assert json.loads(events[-2][6:])["error"]["code"] == "internal_error"
         assert httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False}).status_code == 500
         assert httpx.get(f"{srv.url}/health").json()["busy"] is False  # and the server goes on
+    finally:
+        srv.stop()
+
+
+class _RaisingStream(_ControlledStream):
+    """`after` deltas, then the Engine error `error` (as a backend raises it mid-generation)."""
+
+    def __init__(self, inner, ctl, error, after):
+        super().__init__(inner, ctl)
+        self.error, self.after = error, after
+
+    def __iter__(self):
+        for i, delta in enumerate(self.inner):
+            if i == self.after:
+                raise self.error
+            yield delta
+
+
+ENGINE_FAULTS = [  # (the backend's message, after how many deltas, status, code)
+    ("llama_decode failed with status 1 (3 tokens of a batched pass; 4096 cells shared by 4 slots)", 2, 503,
+     "engine_unavailable"),
+    ("llama.cpp context overflow: 4000 + 200 tokens (+ 64 parked cells) > 4096 cache cells", 1, 503,
+     "engine_unavailable"),
+    ("a tree pass of 600 tokens exceeds llama.cpp's batch of 512", 2, 500, "engine_error"),
+    ("the prompt has 5000 tokens; the model's context holds 4096, so no token can be generated", 0, 400,
+     "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("message, after, status, code", ENGINE_FAULTS, ids=[f[3] + str(f[1]) for f in ENGINE_FAULTS])
+def test_an_engine_error_mid_generation_is_the_servers_fault_unless_the_clients(message, after, status, code):
+    ctl = ControlledEngine(make_engine())
+    ctl.stream = lambda prompt, **kw: _RaisingStream(ctl._engine.stream(prompt, **kw), ctl, SpecDecodeError(message),
+                                                     after)
+    srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["code"] == code and err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+        assert ("retry-after" in r.headers) == (status == 503)
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == code
+        m = metrics(srv.url)
+        assert metric(m, "specdecode_generation_errors_total", status=str(status), code=code) == 2
+        assert metric(m, "specdecode_generations_total", finish_reason="error") == 2
     finally:
         srv.stop()
 

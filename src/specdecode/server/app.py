@@ -2,18 +2,20 @@
 events into responses (service.py: what the routes do); plus `serve`, which loads the models and runs uvicorn.
 """
 # No `from __future__ import annotations`: the POST routes are annotated with per-app request models.
+import hmac
 import ipaddress
 import logging
 import math
-import secrets
 from contextlib import asynccontextmanager
 
 import anyio
+import jinja2
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
@@ -31,22 +33,26 @@ log = logging.getLogger("specdecode.server")
 
 MAX_BODY_BYTES = 8 << 20  # request bodies beyond this get a 413 before they are read
 KEEPALIVE_S = 10.0  # seconds between ": keep-alive" comments while a streamed request waits in the queue
+# at shutdown, the longest uvicorn waits for open connections once the worker has stopped every generation (a
+# client that reads its stream slowly, or not at all, would otherwise hold the shutdown without end)
+GRACEFUL_SHUTDOWN_S = 10
 
 
 class Gate:
-    """ASGI middleware: the API key check on /v1/* (before the body is even parsed) and request counting."""
+    """ASGI middleware: the body size limit and request counting. (The API key is checked by the /v1 routes
+    themselves, BearerKey: under a path prefix only routing knows which route a path is.)"""
 
     ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/openapi.json",
               "/docs"}
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics, max_body_bytes: int | None = None):
+    def __init__(self, app, metrics: Metrics, max_body_bytes: int | None = None):
         self.app, self.metrics, self.max_body = app, metrics, max_body_bytes
-        self.key = None if api_key is None else f"bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path  # the path routing matches
         status = [500]
 
         async def send_status(message):
@@ -55,11 +61,7 @@ class Gate:
             await send(message)
 
         try:
-            if self.key is not None and (path == "/v1" or path.startswith("/v1/")) and not self._authorized(scope):
-                err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error_response(err)(scope, receive, send_status)
-            elif self.max_body is not None and _content_length(scope) > self.max_body:  # before reading it
+            if self.max_body is not None and _content_length(scope) > self.max_body:  # before reading it
                 await error_response(too_large(self.max_body))(scope, receive, send_status)
             else:
                 await self.app(scope, receive if self.max_body is None else self._limited(receive), send_status)
@@ -83,12 +85,37 @@ class Gate:
             return message
         return limited
 
-    def _authorized(self, scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                return secrets.compare_digest(scheme.lower() + b" " + token.strip(), self.key)
-        return False
+
+class BearerKey(HTTPBearer):
+    """The API key, a security dependency of the /v1 router: `Authorization: Bearer <key>`, compared in
+    constant time; a 401 otherwise."""
+
+    def __init__(self, api_key: str):
+        super().__init__(auto_error=False, scheme_name="HTTPBearer")
+        self.key = api_key.encode()
+
+    async def __call__(self, request: Request):
+        credentials = await super().__call__(request)
+        # header values are decoded as latin-1: back to the bytes the client sent, as the key's UTF-8
+        if credentials is None or not hmac.compare_digest(credentials.credentials.encode("latin-1"), self.key):
+            raise APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return credentials
+
+
+def _keyed_route(check: BearerKey) -> type[APIRoute]:
+    """A route class that runs `check` before FastAPI reads the request body (which it does before any
+    dependency): a request without the key gets its 401 without its body being read or parsed."""
+
+    class KeyedRoute(APIRoute):
+        def get_route_handler(self):
+            handle = super().get_route_handler()
+
+            async def keyed(request: Request) -> Response:
+                await check(request)
+                return await handle(request)
+            return keyed
+    return KeyedRoute
 
 
 def _content_length(scope) -> int:
@@ -132,30 +159,53 @@ async def get_model(model: str, request: Request):
 
 
 def _add_routes(app: FastAPI, service: Service, api_key: str | None) -> None:
-    bearer = [Depends(HTTPBearer(auto_error=False))] if api_key is not None else []  # documents the scheme
+    if api_key is None:
+        v1 = APIRouter(prefix="/v1", tags=["openai"])
+    else:
+        check = BearerKey(api_key)
+        v1 = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Security(check)], route_class=_keyed_route(check),
+                       responses={401: ERRORS[401]})
     CompletionRequest, ChatCompletionRequest = p.request_models(service.cap)
 
     async def completions(body: CompletionRequest, request: Request):  # typed per app: its max_tokens bound
+        _check_text([body.prompt] if isinstance(body.prompt, str) else body.prompt, "prompt")
         return await service.completions(body, request)
 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await service.chat(body, request)
+        _check_text([m.as_engine_message()["content"] for m in body.messages], "messages")
+        try:
+            return await service.chat(body, request)
+        except jinja2.TemplateError as e:
+            if isinstance(e, jinja2.TemplateSyntaxError):  # the template itself is broken: the server's fault
+                raise
+            # raise_exception in the model's chat template: it refuses these messages (their roles' order, say)
+            raise APIError(400, f"the model's chat template refused the messages: {e}", param="messages",
+                           code="invalid_value") from None
 
     app.add_api_route("/health", health, methods=["GET"], response_model=p.Health, tags=["server"])
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["server"], response_class=Response,
                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                                        "description": "Prometheus text format"}})
-    app.add_api_route("/v1/models", list_models, methods=["GET"], response_model=p.ModelList, dependencies=bearer,
-                      tags=["openai"], responses={401: ERRORS[401]})
-    app.add_api_route("/v1/models/{model:path}", get_model, methods=["GET"], response_model=p.ModelCard,
-                      dependencies=bearer, tags=["openai"], responses={401: ERRORS[401], 404: ERRORS[404]})
-    app.add_api_route("/v1/completions", completions, methods=["POST"], response_model=p.CompletionResponse,
-                      dependencies=bearer, tags=["openai"],
-                      responses={**ERRORS, 200: {"content": SSE_DOC, "description": "a completion, or events when stream"}})
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
-                      response_model=p.ChatCompletionResponse, dependencies=bearer, tags=["openai"],
-                      responses={**ERRORS, 200: {"content": SSE_DOC,
-                                                 "description": "a chat completion, or events when stream"}})
+    v1.add_api_route("/models", list_models, methods=["GET"], response_model=p.ModelList)
+    v1.add_api_route("/models/{model:path}", get_model, methods=["GET"], response_model=p.ModelCard,
+                     responses={404: ERRORS[404]})
+    v1.add_api_route("/completions", completions, methods=["POST"], response_model=p.CompletionResponse,
+                     responses={**ERRORS, 200: {"content": SSE_DOC, "description": "a completion, or events when stream"}})
+    v1.add_api_route("/chat/completions", chat_completions, methods=["POST"], response_model=p.ChatCompletionResponse,
+                     responses={**ERRORS, 200: {"content": SSE_DOC,
+                                                "description": "a chat completion, or events when stream"}})
+    app.include_router(v1)
+
+
+def _check_text(texts: list[str], param: str) -> None:
+    """A 400 for a lone UTF-16 surrogate (JSON's "\\ud800"): it is no character, and no tokenizer takes it."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"the {param} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character "
+                                f"{e.start}), which is not text; send UTF-8 text or a surrogate pair", param=param,
+                           code="invalid_value") from None
 
 
 async def _api_error(request, exc: APIError):
@@ -233,7 +283,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
                               "Extension: `speculation` in requests (method, gamma) and responses (stats).")
     app.state.service, app.state.engine, app.state.worker, app.state.metrics = service, engine, worker, metrics
     app.state.model_id, app.state.engine_lock = model_id, worker.lock
-    app.add_middleware(Gate, api_key=api_key, metrics=metrics, max_body_bytes=max_body_bytes)
+    app.add_middleware(Gate, metrics=metrics, max_body_bytes=max_body_bytes)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -366,7 +416,8 @@ def serve(args) -> None:
                      f"{args.parallel} at once" + (f", prompts read {slots.prefill_chunk} tokens a pass beside "
                                                     "others' decoding" if slots else "") + ")\n")
     try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                              timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on, as uvicorn.run does not
         pass
 

@@ -15,6 +15,8 @@ class Metrics:
                                 registry=r)
         self.generations = Counter("specdecode_generations", "generations by finish reason "
                                    "(stop, length, timeout, cancelled, error)", ["finish_reason"], registry=r)
+        self.errors = Counter("specdecode_generation_errors", "generations that failed once queued, by the HTTP "
+                              "status and error code their client got", ["status", "code"], registry=r)
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "prompt tokens processed", registry=r)
         self.generated_tokens = Counter("specdecode_generated_tokens", "tokens generated", registry=r)
         self.drafted_tokens = Counter("specdecode_drafted_tokens", "draft tokens proposed", ["method"], registry=r)

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import logging
 import math
+import re
 import threading
 import time
 import weakref
@@ -73,6 +74,25 @@ def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
 
 
+# The Engine's errors once a generation runs (its request was checked when it was opened): what the server ran
+# into, not what the client asked for. Those where retrying helps (the cache was full or short of memory, perhaps
+# through other generations sharing it) are 503s with Retry-After; the rest 500s. Checked in order.
+_CLIENT_FAULTS = [(re.compile(r"^the prompt has \d+ tokens; the model's context holds"), 400, "context_length_exceeded")]
+_RETRYABLE = re.compile(r"llama_decode failed|context overflow|could not create a context|can grow only between passes")
+
+
+def generation_error(e: SpecDecodeError, endpoint: str, retry_after: int) -> APIError:
+    """An Engine error raised while a job ran, as the error its client gets."""
+    message = " ".join(str(e).split())
+    for pattern, status, code in _CLIENT_FAULTS:
+        if pattern.search(message):
+            return APIError(status, message, param="messages" if endpoint == "chat" else "prompt", code=code)
+    if _RETRYABLE.search(message):
+        return APIError(503, f"the server could not run this generation now ({message}); retry later",
+                        type="server_error", code="engine_unavailable", headers={"Retry-After": str(retry_after)})
+    return APIError(500, f"the generation failed: {message}", type="server_error", code="engine_error")
+
+
 class Job:
     """One request's generation: an opened, not yet started TextStream, and the queue its events go to.
     Create it on the event loop that reads its events."""
@@ -84,6 +104,7 @@ class Job:
         self.cancelled = threading.Event()  # set when the client is gone (or the server shuts down)
         self.started = False  # the worker took it out of the queue
         self.shutdown = False
+        self.ended = False  # its end or error was pushed
         self.arrival = time.monotonic()
         self.deadline = self.arrival + timeout_s
 
@@ -93,6 +114,8 @@ class Job:
 
     def push(self, event: tuple) -> None:
         """From the worker thread: hand an event to the request's event loop."""
+        if event[0] != "delta":
+            self.ended = True
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -292,19 +315,27 @@ class Worker:
                     try:
                         job.stream = job.stream.reopen(engine)
                     except SpecDecodeError as e:  # a slot's own limits (its share of the tree-node ids)
-                        self.metrics.generations.labels(finish_reason="error").inc()
-                        job.push(("error", engine_error(e)))
+                        self._fail(job, engine_error(e, "messages" if job.endpoint == "chat" else "prompt"))
                         continue
                     with self.slots.generation():
                         self._run(job, engine_lock(engine), lambda: self._free(i, job))
             except Exception:  # never let the worker die
                 log.exception("generation failed")
-                self.metrics.generations.labels(finish_reason="error").inc()
-                job.push(("error", APIError(500, "internal error during generation", type="server_error",
-                                            code="internal_error")))
+                self._fail(job, APIError(500, "internal error during generation", type="server_error",
+                                         code="internal_error"))
             finally:
                 self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - t0)
                 self._free(i, job)
+                if not job.ended and (job.shutdown or not job.cancelled.is_set()):
+                    # a job taken, then stopped by a shutdown before it ran: its client still hears why
+                    job.push(("error", shutting_down() if job.shutdown else APIError(
+                        500, "the generation ended without a result", type="server_error", code="internal_error")))
+
+    def _fail(self, job: Job, err: APIError) -> None:
+        """The job's generation failed: its last event, and the failure counted by status and code."""
+        self.metrics.generations.labels(finish_reason="error").inc()
+        self.metrics.errors.labels(status=str(err.status), code=err.code or "").inc()
+        job.push(("error", err))
 
     def _free(self, i: int, job: Job) -> None:
         """Slot i is done with `job`: idle to the others' slot choice before its client hears the end (the client's
@@ -337,9 +368,9 @@ class Worker:
                     job.push(("delta", delta))
                     if job.interrupted():
                         break
-            except SpecDecodeError as e:  # raised before the first token (e.g. the context cannot hold the prompt)
-                self.metrics.generations.labels(finish_reason="error").inc()
-                job.push(("error", engine_error(e)))
+            except SpecDecodeError as e:  # the prompt against a slot's context, a failed pass, a full cache
+                log.warning("generation failed: %s", e)
+                self._fail(job, generation_error(e, job.endpoint, self.retry_after()))
                 return
             finally:
                 gen.close()  # stops the generation loop and times it
