@@ -72,6 +72,32 @@ def test_ray_flags_are_checked(capsys):
     assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 2.0)
 
 
+def test_serve_ray_that_cannot_start_exits_with_one_line(tiny_dirs, monkeypatch, capsys):
+    """Serve's proxy that fails its readiness check (a busy machine): tried again, with longer readiness timeouts
+    in the controller's environment, then one clear line and exit status 2, not Ray's traceback."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+    calls = []
+
+    def failing_start(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("ActorDiedError: The actor died unexpectedly before finishing this task.\n\tclass_name: "
+                           "ProxyActor\n(the proxy failed its readiness check 3 times)")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no cluster: start goes straight to serve.start
+    monkeypatch.setattr(serve, "start", failing_start)
+    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    target, _ = tiny_dirs
+    assert main(["serve", "--ray", "--target", str(target), "--method", "pld", "--port", "8765"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("specdecode: error: Ray Serve did not start") and "Traceback" not in "".join(lines)
+    assert "ActorDiedError" in lines[-1] and "8765" in lines[-1]
+    assert len(calls) == ray_serve.START_TRIES >= 2
+    env = calls[0]["controller_options"]["runtime_env"]["env_vars"]
+    assert float(env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]) >= 30  # Ray's default: 5 s
+    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == ray_serve.PROXY_CALLBACK
+
+
 def test_replica_is_ready_only_after_load_and_cost_measurement(tiny_dirs):
     """The replica's constructor (what Ray Serve waits for before it routes to it) loads the models and measures
     the pass costs; its app carries the replica id in a header and in every metric sample."""

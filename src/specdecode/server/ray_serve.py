@@ -29,6 +29,11 @@ from ..errors import SpecDecodeError
 REPLICA_HEADER = "x-specdecode-replica"
 PROXY_CALLBACK = "specdecode.server.ray_serve:proxy_middlewares"
 APP_NAME = "specdecode"
+# Ray Serve's HTTP proxy must pass a readiness check within 5 s (three tries) by default: too short on a busy
+# machine (two cores with a build beside them), where serve.start then fails with ActorDiedError. Read by the
+# controller, which starts the proxies: set in its environment.
+SLOW_MACHINE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+START_TRIES = 2  # serve.start once more after a failure (a proxy that lost a race for the CPU)
 MIN_RAY = (2, 60)  # __serve_build_asgi_app__, controller_options (tested with 2.60.0)
 
 
@@ -230,10 +235,30 @@ def start(host: str = "127.0.0.1", port: int = 8000, *, address: str | None = No
     a new one in this process) and start Serve's HTTP proxies on host:port with `proxy_middlewares` installed."""
     ray = _check_ray()
     from ray import serve
-    if not ray.is_initialized():
-        ray.init(address=address, **init)
-    env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}
-    serve.start(http_options={"host": host, "port": port}, controller_options={"runtime_env": {"env_vars": env}})
+    env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK, **SLOW_MACHINE_ENV}
+    ours = not ray.is_initialized()  # a cluster connection this call makes, closed again if Serve cannot start
+    error = None
+    for _ in range(START_TRIES):
+        try:
+            if not ray.is_initialized():
+                ray.init(address=address, **init)
+            serve.start(http_options={"host": host, "port": port},
+                        controller_options={"runtime_env": {"env_vars": env}})
+            return
+        except Exception as e:  # Ray's own errors (ActorDiedError, RaySystemError, ...) share no base class
+            error = e
+            try:
+                serve.shutdown()
+            except Exception:
+                pass
+    if ours:
+        try:
+            ray.shutdown()
+        except Exception:
+            pass
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    raise SpecDecodeError(f"Ray Serve did not start its HTTP proxy on {host}:{port} ({START_TRIES} tries; a busy "
+                          f"machine, or the port taken?): {type(error).__name__}: {first}")
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
@@ -278,6 +303,9 @@ def serve_ray(args) -> None:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:  # a replica's constructor failed: its traceback is in the log above
             raise SpecDecodeError(f"the replicas did not start (see the replica's error above): {e}") from None
+        except Exception as e:  # Ray itself (its controller or proxy died): one line, not Ray's traceback
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            raise SpecDecodeError(f"Ray Serve could not deploy the replicas: {type(e).__name__}: {first}") from None
         sys.stderr.write(f"specdecode: serving at http://{args.host}:{args.port}/v1 on every node of the Ray cluster "
                          f"(method {args.method}, gamma {args.gamma}); Ctrl-C stops it\n")
         while True:
@@ -285,5 +313,7 @@ def serve_ray(args) -> None:
     finally:
         try:
             serve.delete(APP_NAME)
+        except Exception:  # a Serve that never came up, or died: nothing to delete, and no traceback over the error
+            pass
         finally:
             ray.shutdown()
