@@ -53,6 +53,7 @@ class Counting:
 
     def __init__(self, tok):
         self.engine = SimpleNamespace(tokenizer=tok)
+        self.tokenizer = tok  # as an Engine's: TextStream reads how it decodes
         self.ids = 0
 
     def decode(self, ids):
@@ -241,3 +242,41 @@ def test_stop_strings_with_partial_matches_as_before(seed):
     deltas = list(stream)
     ref_deltas, ref_text, ref_ids = whole_text_reference(_Chars.decode, ids, steps(ids, seed, 4), stops)
     assert deltas == ref_deltas and stream.result.text == ref_text and stream.result.token_ids == ref_ids
+
+
+class _CountingChars(_Chars):
+    """_Chars, counting the ids it decodes."""
+
+    def __init__(self):
+        self.ids = 0
+
+    def decode(self, ids):
+        self.ids += len(ids)
+        return "".join(map(chr, ids))
+
+
+def test_a_genuine_replacement_character_is_sent_and_the_window_slides():
+    """U+FFFD the model really wrote (its own token here) is text like any other: it goes out within a few
+    tokens, not when some later token happens not to end in one, and a long run of them is decoded in
+    linear time."""
+    ids = [ord("a")] + [0xFFFD] * 3000 + [ord("b")]
+    engine = _CountingChars()
+    stream = TextStream(engine, ([i] for i in ids), Stats(), [])
+    deltas = []
+    for delta in stream:
+        deltas.append(delta)
+    assert "".join(deltas) == stream.result.text == "a" + "\ufffd" * 3000 + "b"
+    assert len(deltas) > 2900  # each one out a few tokens after it came, not all of them with the "b"
+    assert engine.ids < 20 * len(ids), engine.ids  # a few windows a token; the whole text each step: ~n**2 / 2
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_genuine_replacement_character_through_a_real_tokenizer(name):
+    tok = TOKENIZERS[name]()
+    text = "x\ufffd\ufffd y 日本 \ufffd🙂 z"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    for seed in range(3):
+        for most in (1, 5):
+            deltas, result, _ = run(tok, ids, seed, most=most)
+            assert "".join(deltas) == result.text == tok.decode(ids, skip_special_tokens=True)
+            assert result.text.count("\ufffd") == 3 and "日本" in result.text and "🙂" in result.text

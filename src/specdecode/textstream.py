@@ -1,11 +1,13 @@
 """Streaming text: committed token ids turned into text deltas incrementally, with stop strings."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Iterator
 
 from .stats import Generation, Stats
 
+TAIL_TOKENS = 3  # a character still missing bytes has at most 3: made by at most the last 3 tokens
 STOP_CHARS_MAX = 4096  # characters of stop strings one generation may ask for, all together
 
 
@@ -15,10 +17,16 @@ class TextStream:
     Detokenization is incremental, linear in the output length, for any tokenizer with `decode`: each
     step decodes only a window, the tokens whose text was last added (context, for tokenizers whose text
     for a token depends on its neighbours, such as SentencePiece's leading space or byte-level
-    characters) plus the new ones, and appends what the new ones add. Tokens whose text is not complete
-    (a UTF-8 character split across tokens decodes to U+FFFD) stay in the window until it is. Stop
-    strings are matched by a StopMatcher, which reads each character of the text once: a tail that could
-    start one is never sent, so none can begin in text sent earlier.
+    characters) plus the new ones, and appends what the new ones add. A UTF-8 character split across
+    tokens decodes to U+FFFD until its last byte comes. Where each character's text depends on its own
+    bytes only (byte-level BPE, plain pieces) and a character has at most 4 bytes, only a U+FFFD made by
+    the last TAIL_TOKENS tokens can still change: that one is held back, any other is the model's own
+    text and goes out, and the window slides past it. Where a decoder turns a whole run of byte tokens
+    into U+FFFD while one of its characters is incomplete (ByteFallback), the text's trailing U+FFFDs
+    are held back until a whole character follows. (tokenizers' DecodeStream holds back any text that
+    ends in U+FFFD and keeps every token since: a model that writes U+FFFD gets it late, in quadratic
+    time; not used.) Stop strings are matched by a StopMatcher, which reads each character of the text
+    once: a tail that could start one is never sent, so none can begin in text sent earlier.
     """
 
     def __init__(self, engine, steps: Iterator[list[int]], stats: Stats, stops: list[str]):
@@ -31,9 +39,11 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         decode, stats = self.engine.decode, self.stats
+        local = _local_decoder(self.engine)
         ids: list[int] = []
-        text = ""  # the text of ids[:read], then the whole characters of ids[read:] so far (`pending` of them)
-        context = read = pending = 0  # ids[context:read]: the tokens whose text was added last
+        text = ""  # the text that can no longer change
+        context = read = 0  # ids[context:read]: the tokens whose text was added last (their text: `before`)
+        before, base = "", 0  # decode(ids[context:read]); len(text of ids[:read])
         sent, interrupted = "", False
         stops = StopMatcher(self.stops)
         t0 = time.perf_counter()
@@ -42,15 +52,24 @@ class TextStream:
                 if stats.ttft_s is None:
                     stats.ttft_s, stats.first_tokens = time.perf_counter() - t0, len(new)
                 ids += new
-                before, after = decode(ids[context:read]), decode(ids[context:])
-                whole = len(after)
-                while whole and after[whole - 1] == "\ufffd":  # a character still missing some of its bytes
-                    whole -= 1
-                added = after[len(before) + pending:whole]
+                after = decode(ids[context:])
+                cut = len(ids) - TAIL_TOKENS  # the text of ids[:cut] is whole, unless a later token changed it
+                settled = decode(ids[context:cut]) if local and cut > read else before
+                final = len(os.path.commonprefix([settled, after])) if local else len(before)
+                end = len(after)
+                while end > final and after[end - 1] == "\ufffd":  # a character that may still miss bytes
+                    end -= 1
+                added = after[len(before) + len(text) - base:end]
                 text += added
-                pending += len(added)
-                if whole == len(after) > len(before):  # every token's text is complete: slide the window
-                    context, read, pending = read, len(ids), 0
+                if end == len(after) > len(before):  # nothing held back: slide the window past every token
+                    context, read, base = read, len(ids), base + len(after) - len(before)
+                    before = decode(ids[context:read])
+                elif local and cut > read and after.startswith(settled) and (
+                        not settled.endswith("\ufffd") or settled + decode(ids[cut:]) == after):
+                    # ids[:cut] end between two characters (settled's last is whole, or the text is the same
+                    # decoded in two parts): slide past them
+                    context, read, base = read, cut, base + len(settled) - len(before)
+                    before = decode(ids[context:read])
                 cut = stops.feed(added)
                 if cut is not None:
                     text = text[:cut]
@@ -116,6 +135,20 @@ class StopMatcher:
         for states in self.states:
             end -= states[end]
         return end
+
+
+def _local_decoder(engine) -> bool:
+    """Whether the engine's decoder gives each character's text from its own bytes alone: not so for tokenizers'
+    ByteFallback (a run of byte tokens is all U+FFFD while any of its characters is incomplete), nor for a
+    tokenizer whose decoder is not known here (slow ones); an engine without a tokenizer decodes its own way."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        return True
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    decoder = backend.decoder  # its JSON is a few hundred bytes: read per generation
+    return decoder is None or b'"ByteFallback"' not in decoder.__getstate__()
 
 
 def _failure(s: str) -> list[int]:
