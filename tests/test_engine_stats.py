@@ -272,6 +272,10 @@ METHODS = {
     # a draft whose output layer keeps 5 of the 8 tokens (FR-Spec): q is zero on f, g, h, which the target
     # still emits; its own engine (the truncation changes the draft model)
     "draft-frspec": (dict(method="draft", gamma=2), None),
+    # a client's prediction ("dad": what the target's greedy text would be) followed as a copy: the first pass rides
+    # it alone (a chain of one-hot guesses, chosen before anything is drawn); after a rejection the alignment is
+    # lost and the draft model's drawn trees take over
+    "auto-prediction": (dict(method="auto", prediction="dad"), WIDE),
 }
 FRSPEC_KEEP = [0, 1, 2, 3, 4]
 
@@ -555,6 +559,7 @@ def controls(method: str, setting: str) -> list[str]:
             "draft-frspec": ["residual_is_p", "full_q"],
             "lookup": ["no_residual_update"],
             "auto-lookup": ["accept_everything"],
+            "auto-prediction": ["accept_everything", "residual_is_p"],
             "tree": ["no_residual_update"] + (["prune_drawn_nodes"] if setting != "topk3" else [])}[method]
 
 
@@ -564,7 +569,7 @@ def controls(method: str, setting: str) -> list[str]:
 # auto-lookup case at top-k 3 (one lookup guess, a chain) and the lookup case at top-p 0.7 (chains and trees of
 # guesses); two cases of ~3 minutes each on 2 cores that tested nothing the others do not (issue 20)
 CASES = [(m, s) for m in ("draft", "tree", "auto") for s in SETTINGS] + [("pld", "T1"), ("auto-lookup", "topk3")] + \
-    [("lookup", "T1"), ("lookup", "topp0.7"), ("draft-frspec", "T1")]
+    [("lookup", "T1"), ("lookup", "topp0.7"), ("draft-frspec", "T1"), ("auto-prediction", "T1")]
 
 
 def test_cost_tables_choose_what_the_cases_are_about():
@@ -590,6 +595,9 @@ def test_engine_keeps_the_target_law(request, monkeypatch, method, setting):
         assert s.first_drawn == 0 and s.first_lookup >= 0.95 * N and s.first_siblings >= 0.3 * N
     if method == "auto-lookup":
         assert s.first_lookup >= 0.95 * N and s.first_drawn == 0  # the draft model never ran
+    if method == "auto-prediction":  # the first pass rides the prediction; later ones draw from the draft model
+        assert s.first_lookup >= 0.95 * N and s.first_drawn == 0 and s.strategies.get("copy", 0) >= 0.95 * N
+        assert s.strategies.get("tree", 0) + s.strategies.get("draft", 0) >= 0.1 * N
     if method in ("draft", "draft-frspec"):
         assert s.first_nodes == 2 * N  # gamma = 2: a two-token chain
     if method == "draft-frspec":  # the target emits tokens the draft can no longer propose

@@ -24,6 +24,19 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """256 one-character tokens (printable ASCII, newline, then Greek letters) + EOS: every token decodes to text
+    that encodes back to it, so a decoded output can be sent back as a prediction token for token."""
+    chars = ([chr(c) for c in range(32, 127)] + ["\n"] + [chr(c) for c in range(0x391, 0x391 + 160)])[:256]
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab[EOS] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast.chat_template = byte_tokenizer().chat_template
+    return fast
+
+
 def tiny_model(seed: int, vocab_size: int = 257, layers: int = 2, hidden: int = 64, max_pos: int = 512,
                eos_token_id: int | None = 256) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)

@@ -2,7 +2,8 @@
 from .hugepages import restart_if_command
 
 restart_if_command()  # the `specdecode` command runs itself again with huge pages, before torch loads (hugepages.py)
-from .engine import METHODS, Engine, speculative_decode
+from .engine import METHODS, Engine
+from .loop import speculative_decode
 from .errors import SpecDecodeError
 from .sampling import SamplingParams, probs_from_logits
 from .stats import Generation, Stats

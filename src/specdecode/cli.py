@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 from .errors import SpecDecodeError
 
@@ -29,6 +30,9 @@ def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt (streamed), then print stats")
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--prediction", default=None, metavar="FILE",
+                   help="a file holding the text the answer is expected to repeat, mostly ('-': stdin), as OpenAI's "
+                        "Predicted Outputs: a source of guesses the target verifies, never a forced output")
     g.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=help_text())
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
     _tree_args(g)
@@ -290,7 +294,15 @@ def generate(args) -> None:
     checked by the Engine's own SamplingParams before the model load, which can take a minute."""
     from .engine import Engine
     from .methods import wants_draft_model
+    if args.prompt == "-" and args.prediction == "-":
+        raise SpecDecodeError("the prompt and --prediction cannot both be read from stdin")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prediction = None
+    if args.prediction is not None:
+        try:
+            prediction = sys.stdin.read() if args.prediction == "-" else Path(args.prediction).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecDecodeError(f"--prediction: cannot read {args.prediction}: {e}") from None
     Engine.check(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **_tree_kwargs(args))
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
@@ -299,7 +311,7 @@ def generate(args) -> None:
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           stop=args.stop, chat=args.chat, **_tree_kwargs(args))
+                           stop=args.stop, chat=args.chat, prediction=prediction, **_tree_kwargs(args))
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)
@@ -321,6 +333,9 @@ def generate(args) -> None:
                      f"accepted {s.accepted}/{s.drafted} ({rate}) | "
                      f"tokens per target forward {s.mean_accepted_tokens or 0:.2f} | "
                      f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s | finish: {s.finish_reason} | backend {engine.backend}\n")
+    if prediction is not None:
+        src = s.sources.get("prediction", {"drafted": 0, "accepted": 0})
+        sys.stderr.write(f"prediction: {src['accepted']} tokens accepted, {src['drafted'] - src['accepted']} rejected\n")
 
 
 # what `specdecode serve` and `specdecode bench` import beyond the core, and the extra that installs it

@@ -1,20 +1,15 @@
-"""The speculative decoding loop (draft -> verify -> accept -> roll back) and its facade, the Engine.
-
-Cache convention (both models): the cache holds every committed token except the last one, which goes
-into the next target pass with the draft: the target scores gamma draft tokens plus the bonus position in
-ONE forward of gamma+1 tokens. Plain decoding is the same loop with an empty draft.
-"""
+"""The Engine: the facade that loads the models once and runs generations through the loop (loop.py:
+draft -> verify -> accept -> roll back) with the drafter each method builds (methods.py)."""
 from __future__ import annotations
 
-import time
 from typing import Iterator
 
 import torch
 
-from .backends import LM, as_lm
+from .backends import as_lm
 from .checks import check_request, tree_nodes_cap
-from .drafters import (DRAFT_WINDOW, Datastore, Draft, Drafter, DraftModel, History, Lookup, PromptLookup,
-                       check_compatible, tokenizer_fingerprint)
+from .drafters import (DRAFT_WINDOW, Datastore, DraftModel, History, Lookup, PromptLookup,
+                       check_compatible, followed, tokenizer_fingerprint)
 from .errors import SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits, padded
 from .lease import Lease, tokenizer_lock
@@ -23,67 +18,11 @@ from .sampling import SamplingParams
 from .stats import Generation, Stats
 from .textstream import TextStream
 from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
-from .prefill import owned, prefill
-from .verify import verdict
+from .loop import speculative_decode
+from .prefill import owned
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
-
-
-def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
-                       max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None,
-                       stats: Stats, exact: ExactLimits | None = None, scope: str | None = None) -> Iterator[list[int]]:
-    """Yield newly committed token ids, step by step. stats is filled in as it goes. gamma: the most
-    tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
-    still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are
-    bit-identical to plain decoding's (exactness.py)."""
-    ids, head = prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy, scope)
-    emitted = len(head)
-    if head:
-        stats.record(Draft([], None), 0, 1)
-        stats.new_tokens, stats.finish_reason = 1, "eos" if head[0] in eos_ids else None
-        yield head
-        if stats.finish_reason:
-            return
-    while True:
-        room = min(max_new_tokens - emitted, target.max_length - len(ids))
-        if room <= 0:
-            stats.finish_reason = "length"
-            return
-        g = min(gamma, room - 1) if drafter is not None else 0  # never draft what cannot be emitted
-        if exact is not None:  # within the exact pass sizes, and none past the context they were measured up to
-            cap = exact.guesses(target.cells())
-            g = min(g, cap)
-
-        t0 = time.perf_counter()
-        draft = drafter.propose(ids, g, params, generator) if g > 0 else Draft([], None)
-        if exact is not None:
-            draft = draft.prefix(cap, chain=not exact.trees)
-        t1 = time.perf_counter()
-        # the ONE target pass over the last committed token (the root) and every drafted token
-        root = len(target)
-        logits = target.forward([ids[-1]] + draft.tokens, parents=[root - 1] + [root + a + 1 for a in draft.tree_parents])
-        path, bonus = verdict(logits, draft, params, generator)
-        # keep ids + the accepted branch; the new last token stays uncached
-        target.rollback(len(ids), [root + 1 + i for i in path])
-        if drafter is not None and g > 0:
-            drafter.commit(len(ids), path, bonus)
-        stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
-
-        new = [draft.tokens[i] for i in path] + [bonus]
-        for i, tok in enumerate(new):
-            if tok in eos_ids:
-                new = new[:i + 1]
-                stats.finish_reason = "eos"
-                break
-        stats.record(draft, min(len(path), len(new)), len(new), path)  # accepted draft tokens emitted (none past EOS)
-        ids += new
-        emitted += len(new)
-        stats.new_tokens = emitted
-        yield new
-        if stats.finish_reason:
-            return
 
 
 class Engine:
@@ -148,7 +87,8 @@ class Engine:
         return len(self.draft_model.keep)
 
     def _lookup(self, request: DraftRequest) -> Lookup:
-        return Lookup(request.history, self.datastore)
+        return Lookup(request.history, self.datastore, copies=followed(request.prompt_ids, request.prediction_ids))
+
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
@@ -248,6 +188,17 @@ class Engine:
         with tokenizer_lock(self.tokenizer):  # the server's worker decodes while its handlers encode
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def encode_prediction(self, prediction: str | None) -> tuple | None:
+        """A predicted output as the tokens it drafts from (no special tokens: it continues the prompt)."""
+        if prediction is None:
+            return None
+        if not isinstance(prediction, str):
+            raise SpecDecodeError(f"prediction must be a string, got {type(prediction).__name__}")
+        if not prediction:
+            return None
+        with tokenizer_lock(self.tokenizer):
+            return tuple(self.tokenizer(prediction, add_special_tokens=False)["input_ids"])
+
     def generate(self, prompt: str | list[dict], **kwargs) -> Generation:
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
@@ -259,7 +210,7 @@ class Engine:
                seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
                tree_width: int | None = None, tree_depth: int | None = None,
                tree_nodes: int | None = None, exact: bool | None = None, history=None,
-               cache_scope: str = "") -> "TextStream":
+               cache_scope: str = "", prediction: str | None = None) -> "TextStream":
         """An iterator of text deltas (never splitting a character or leaking a stop string);
         after it is exhausted, .result holds the Generation.
 
@@ -273,11 +224,14 @@ class Engine:
         logits are bit-identical to plain decoding's (exactness.py): plain decoding's output, token for token.
         history: the History this generation drafts from and adds its output to (default: the Engine's own).
         cache_scope: with the Engine's prompt_cache, whose text this is (the server: an API key's hash): the
-        prompt reuses the target's cache only after a generation of the same scope; never in exact mode."""
+        prompt reuses the target's cache only after a generation of the same scope; never in exact mode.
+        prediction: the text the output is expected to be, mostly (OpenAI's Predicted Outputs: an edited file): a
+        source of guesses the target verifies like any other, never a forced output. The methods that draft from
+        lookup sources (auto, lookup, tree) and pld follow it through the output's edits (drafters/copy.py);
+        stats.sources["prediction"] counts its drafted and accepted tokens."""
         params = self.check(method=method, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_k=top_k, top_p=top_p, stop=stop, tree_width=tree_width, tree_depth=tree_depth,
                             tree_nodes=tree_nodes)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
         prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
         exact = (self.exact and params.greedy) if exact is None else exact  # the Engine's default: greedy requests
         if exact and not params.greedy:
@@ -285,12 +239,13 @@ class Engine:
         limits = self.exact_limits() if exact else None
         m = METHOD_TABLE[method]
         request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens,
-                               self.history if history is None else history)
+                               self.history if history is None else history, tuple(prompt_ids),
+                               self.encode_prediction(prediction))
         drafter = m.make_drafter(self, request)
         # a stop string that is a special token never shows in the decoded text: stop on its id
         with tokenizer_lock(self.tokenizer):
             added = self.tokenizer.get_added_vocab()
-        stop_ids = {added[s] for s in stops if s in added}
+        stop_ids = {added[s] for s in ([stop] if isinstance(stop, str) else stop or []) if s in added}
         generator = torch.Generator()
         if seed is None:
             generator.seed()  # nondeterministic, and leaves torch's global RNG alone
@@ -307,7 +262,7 @@ class Engine:
             steps = padded(self.target, limits.pad_rows, steps)
         if request.history is not None:
             steps = self._remember(request.history, steps)
-        out = TextStream(self, self.lease.steps(steps), stats, stops)
+        out = TextStream(self, self.lease.steps(steps), stats, [stop] if isinstance(stop, str) else list(stop or []))
         out.prompt_ids, out.cache_scope = prompt_ids, scope  # where a server runs it: a slot that holds its start
         return out
 
@@ -319,7 +274,7 @@ class Engine:
         if m.planned:
             if limits is not None:  # plan within the exact pass sizes
                 drafter.limit(max(limits.max_guesses, 1), chains_only=not limits.trees)
-            depth_cap = drafter.max_depth
+            depth_cap = drafter.depth_cap
         if m.uses_cost_model:
             stats.plain_step_s = self.costs.t(1, prompt_tokens)
         if m.shape is not None:
@@ -327,7 +282,7 @@ class Engine:
         if m.uses_lookup_sources and drafter.lookup is not None:
             stats.lookup_sources = drafter.lookup.sources
         elif m.prompt_lookup:
-            stats.lookup_sources = ["context"]
+            stats.lookup_sources = ["context"] + (["prediction"] if request.prediction_ids else [])
         return stats, depth_cap
 
     def _remember(self, history: History, steps: Iterator[list[int]]) -> Iterator[list[int]]:
@@ -382,7 +337,8 @@ class Engine:
         return drafter
 
     def _pld_drafter(self, request: DraftRequest):
-        return PromptLookup()
+        copies = followed((), request.prediction_ids, start=len(request.prompt_ids))
+        return PromptLookup(prediction=copies[0] if copies else None)
 
     def _draft_drafter(self, request: DraftRequest):
         if self.draft_model is None:

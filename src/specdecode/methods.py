@@ -27,6 +27,8 @@ class DraftRequest:
     tree_nodes: int | None = None
     max_new_tokens: int | None = None
     history: Any = None  # the drafters.History it drafts from (None: none)
+    prompt_ids: tuple = ()  # the prompt's tokens: a copy of them is followed through the output (drafters/copy.py)
+    prediction_ids: tuple | None = None  # the client's predicted output, tokenized (None: none was sent)
 
 
 @dataclass(frozen=True)

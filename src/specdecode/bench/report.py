@@ -107,12 +107,13 @@ def _drafters(results: dict) -> list[str]:
         lines += ["\n## Drafters: cost and where accepted tokens came from\n",
                   "Draft cost per pass: the drafter's time per target pass, in plain decoding steps. Per source: "
                   "tokens drafted, accepted, and the acceptance rate.\n",
-                  "| method | draft cost per pass | " + " | ".join(("draft model", "context", "history", "datastore")) + " |",
-                  "|---" * 6 + "|"]
+                  "| method | draft cost per pass | " + " | ".join(("draft model", "context", "history", "datastore",
+                                                                  "prediction")) + " |",
+                  "|---" * 7 + "|"]
         for m in srcs:
             r = results["methods"][m]
             cells = []
-            for src in ("draft", "context", "history", "datastore"):
+            for src in ("draft", "context", "history", "datastore", "prediction"):
                 d = (r.get("sources") or {}).get(src)
                 cells.append("–" if not d else f"{d['accepted']}/{d['drafted']} ({_f(d['acceptance_rate'], '{:.0%}')})")
             lines.append(f"| {m} | {_f(r.get('draft_cost_per_pass'), '{:.3f}')} | " + " | ".join(cells) + " |")

@@ -19,7 +19,8 @@ from .summary import decode_rate, summarize
 
 def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[dict]:
     """JSONL rows with `prompt` (raw completion) or `turns` (chat: the first turn, or with all_turns
-    every turn, as one conversation), optional `category`."""
+    every turn, as one conversation), optional `category` and `prediction` (the text the answer is expected to
+    repeat: drafted from by our methods, as a server's client would send it)."""
     path = Path(path)
     if not path.is_file():
         raise SpecDecodeError(f"prompt file not found: {path}")
@@ -43,6 +44,10 @@ def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = F
                 row["turns"] = list(obj["turns"])
         else:
             raise SpecDecodeError(f"{path}:{lineno}: needs a non-empty 'prompt' string or a 'turns' list of strings")
+        if obj.get("prediction") is not None:  # Predicted Outputs: the text the answer should mostly repeat
+            if not isinstance(obj["prediction"], str):
+                raise SpecDecodeError(f"{path}:{lineno}: 'prediction' must be a string")
+            row["prediction"] = obj["prediction"]
         row["id"] = str(obj.get("task_id", obj.get("question_id", lineno)))
         row["category"] = obj.get("category") if isinstance(obj.get("category"), str) else None
         rows.append(row)
@@ -216,7 +221,8 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
                 "tree_depth": None, "expected_tokens": None, "planned_passes": None, "modelled_s": None,
                 "strategies": None, "sources": None}
     g = engine.generate(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed, **(tree or {} if _is(method, "tree_options") else {}))
+                        temperature=temperature, seed=seed, prediction=p.get("prediction"),
+                        **(tree or {} if _is(method, "tree_options") else {}))
     s = g.stats
     return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s, "sources": s.sources,
             "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,

@@ -58,7 +58,7 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the loop (engine.speculative_decode) asks of a drafter: DraftModel, PromptLookup,
+    """What the loop (loop.speculative_decode) asks of a drafter: DraftModel, PromptLookup,
     tree.TreeDrafter. Cache convention: the target's cache holds every committed id but the last,
     which goes into the next target pass as the root of the draft."""
 

@@ -21,11 +21,12 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from .copy import Alignment, CopyGuess
 from .datastore import Datastore
 from .sources import History, NgramIndex
 
 MAX_MATCHES = 16  # continuations read per source and step (SuffixDecoding and REST use a few dozen)
-SOURCES = ("context", "history", "datastore")
+SOURCES = ("context", "history", "datastore", "prediction")
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Guess:
     ngram: int  # length of the matched suffix
     source: str
     refs: tuple = ()  # history: the stored outputs the continuations came from
+    value: float | None = None  # a followed copy's own P(accepted | parent accepted) (copy.py); None: calibrated
 
 
 def continuation_tree(conts: list[list[int]], refs: list, ngram: int, source: str, max_nodes: int) -> list[Guess]:
@@ -75,13 +77,15 @@ def continuation_tree(conts: list[list[int]], refs: list, ngram: int, source: st
 
 class Lookup:
     """The lookup drafter: one tree of guesses per step from every source it has. Sources: the
-    context (always), the engine's History and a Datastore (when given)."""
+    context (always), the engine's History and a Datastore (when given). copies: the texts the output is
+    followed through (copy.Alignment: a prediction, the prompt), best first."""
 
     def __init__(self, history: History | None = None, datastore: Datastore | None = None,
-                 max_matches: int = MAX_MATCHES):
+                 max_matches: int = MAX_MATCHES, copies: list[Alignment] | None = None):
         self.history, self.datastore = history, datastore
         self.max_matches = max_matches
         self.context = NgramIndex()
+        self.copies = list(copies or [])
 
     def _indexes(self) -> list:
         """(name, index) of every source it has, in SOURCES order: each answers lookup(text, depth, limit)."""
@@ -90,7 +94,25 @@ class Lookup:
 
     @property
     def sources(self) -> list[str]:
-        return [name for name, _ in self._indexes()]
+        names = [name for name, _ in self._indexes()]
+        return names + [c.source for c in self.copies if c.source not in names]
+
+    def copy_chain(self, ids: list[int], depth: int) -> CopyGuess | None:
+        """The followed copy worth the most expected tokens over `depth` (None: no copy is aligned)."""
+        guesses = [g for g in (c.guess(ids, depth) for c in self.copies) if g is not None]
+        return max(guesses, key=lambda g: sum(g.values), default=None)
+
+    def copy_guesses(self, ids: list[int], depth: int) -> list[Guess]:
+        """A prediction's chain as lookup guesses, for a tree (the prompt's own copy the context's n-grams find)."""
+        out: list[Guess] = []
+        for c in self.copies:
+            g = c.guess(ids, depth) if c.source == "prediction" else None
+            prev, base = 1.0, len(out)
+            for j, (x, v) in enumerate(zip(g.tokens, g.values) if g is not None else ()):
+                out.append(Guess(x, base + j - 1 if j else -1, j + 1, 1, 1.0, g.run, c.source,
+                                 value=v / prev if prev > 0 else 0.0))
+                prev = v
+        return out
 
     def prefill(self, ids: list[int]) -> None:
         self.context = NgramIndex()
@@ -103,7 +125,7 @@ class Lookup:
         """Guesses from every source (each its own tree; context first), parents before children."""
         if len(self.context) < len(ids):
             self.context.extend(ids[len(self.context):])
-        out: list[Guess] = []
+        out: list[Guess] = self.copy_guesses(ids, max_depth) if max_depth > 0 else []
         for source, index in self._indexes() if max_depth > 0 else ():
             n, conts, refs = index.lookup(ids, max_depth, self.max_matches)
             base = len(out)

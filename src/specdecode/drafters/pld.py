@@ -11,9 +11,12 @@ class PromptLookup:
     """Prompt lookup decoding: find the latest earlier occurrence of the last n tokens (n from
     max_ngram down to min_ngram) and propose the tokens that followed it. No model, no cost."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, prediction=None):
+        """prediction: a copy.Alignment on the client's predicted output; while it is aligned its next gamma
+        tokens are the chain."""
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.last_ngram = 0  # the length of the n-gram the last proposal matched (0: none)
+        self.prediction = prediction
 
     def reset(self) -> None:
         pass
@@ -22,6 +25,9 @@ class PromptLookup:
         pass
 
     def propose(self, ids: list[int], gamma: int, params: SamplingParams = None, generator=None) -> Draft:
+        copy = self.prediction.guess(ids, gamma) if self.prediction is not None else None
+        if copy is not None:
+            return Draft(copy.tokens, None, strategy="copy", sources=["prediction"] * len(copy.tokens))
         arr = np.asarray(ids, dtype=np.int64)
         L = len(arr)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):

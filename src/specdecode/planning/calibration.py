@@ -78,7 +78,9 @@ class Acceptance:
 
     def value(self, node) -> float:
         """P(node accepted | parent accepted), for a tree.Node."""
-        return self.lookup(node.lookup) if node.conf is None else self.draft[min(node.rank, 1)](node.conf)
+        if node.conf is None:  # a followed copy's guess carries its own value (drafters/copy.py)
+            return node.value if node.lookup is None else self.lookup(node.lookup)
+        return self.draft[min(node.rank, 1)](node.conf)
 
     def learn(self, nodes: list, emitted: list[int]) -> None:
         """Every grown node whose parent's path was emitted was (or, pruned, would have been) tried:
@@ -90,7 +92,8 @@ class Acceptance:
                 continue
             hit[i] = nd.token == emitted[nd.depth - 1]
             if nd.conf is None:
-                self.lookup.update(nd.lookup, hit[i])
+                if nd.lookup is not None:  # (a followed copy learns from the output itself)
+                    self.lookup.update(nd.lookup, hit[i])
             else:
                 self.draft[min(nd.rank, 1)].update(nd.conf, hit[i])
                 if nd.rank == 0:

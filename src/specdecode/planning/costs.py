@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from .calibration import Calibration  # noqa: F401  (re-exported)
 from ..machine import cache_dir, cpu_name as _cpu_name, write_json  # _cpu_name: the old name, kept
 
-TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # up to a followed copy's deepest chain (copy.py)
 DRAFT_SIZES = (1, 2, 4, 8)
 DRAFT_READ = 128  # one draft pass over this many tokens: what catching the draft up on unseen text costs
 CONTEXT = 128  # tokens already cached when timing the base table: a typical short prompt
 LONG_CONTEXTS = (1024, 2048)  # also timed where the model's context holds them: attention grows with the text
 LONG_SIZES = 16  # at the long contexts, passes up to this many tokens (past it: the base table's shape)
-FORMAT = 3  # the cache file's format: tables at several contexts, measured as they are (not made monotone); 3: every
-# pass on the one compute thread (backends/compute.py; tables measured before it were up to 25% slow, libgomp's pools)
+FORMAT = 4  # the cache file's format: tables at several contexts, measured as they are (not made monotone), every pass
+# on the one compute thread (backends/compute.py), target passes up to 64 tokens
 # the long-context tables are timed only while their estimated time (reading the context, then the passes) fits
 # this budget: on a slow machine (bf16 torch on an AVX2-only CPU: minutes per table) the first run stays short,
 # and the costs there do not depend on the context length
@@ -203,7 +203,7 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
     from tqdm.auto import tqdm
     sizes = [n for n in TARGET_SIZES if n + CONTEXT < target_lm.max_length]
     dsizes = [k for k in (*DRAFT_SIZES, DRAFT_READ) if draft_lm is not None and k + CONTEXT < draft_lm.max_length]
-    longs = [c for c in LONG_CONTEXTS if c + 2 * max(TARGET_SIZES) < target_lm.max_length]
+    longs = [c for c in LONG_CONTEXTS if c + 64 < target_lm.max_length]  # room for the long tables' passes
     dlongs = [c for c in LONG_CONTEXTS[:1] if draft_lm is not None and c + 2 * DRAFT_READ < draft_lm.max_length]
     lsizes = [n for n in sizes if n <= LONG_SIZES]
     total = 3 * (len(sizes) + len(dsizes) + len(longs) * len(lsizes) + len(dlongs) * len(dsizes))

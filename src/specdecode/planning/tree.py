@@ -36,6 +36,9 @@ from .planner import (AUTO_MARGIN, MASS_COVER, MAX_DEPTH, MAX_NODES, MAX_WIDTH, 
 from ..sampling import SamplingParams, probs_from_logits, sample
 
 MAX_LOOKUP_NODES = 24  # lookup guesses offered to the planner per source and step (it keeps those that pay)
+MAX_COPY_DEPTH = 64  # a followed copy's chain (drafters/copy.py) may go this deep, where the measured passes pay
+RIDE_MARGIN = 1.2  # a step rides the copy alone (no tree, no draft model) when its chain's modelled rate beats
+# plain decoding's by this much; below it the copy's guesses join the tree like other lookup guesses
 
 
 @dataclass
@@ -77,6 +80,10 @@ class TreeDrafter:
         self.width = width or MAX_WIDTH
         self.max_depth = depth or MAX_DEPTH
         self.max_nodes = nodes or (MAX_NODES if width is None or depth is None else 10 ** 6)
+        # a followed copy (a prediction, the prompt) is verified as one chain, so it needs no tree-node ids
+        # (within a depth or node count given by hand)
+        self.copy_depth = min(MAX_COPY_DEPTH, depth or MAX_COPY_DEPTH, nodes or MAX_COPY_DEPTH) \
+            if self.lookup is not None and self.lookup.copies else 0
         self.costs, self.state = costs, state or TreeState()
         self._now = costs  # the costs at the current context length (set each step)
         self.lazy, self.remaining = lazy, remaining
@@ -89,8 +96,14 @@ class TreeDrafter:
         """At most `nodes` guesses per pass (exact mode's pass sizes), one child per node if chains_only."""
         self.max_nodes = min(self.max_nodes, nodes)
         self.max_depth = min(self.max_depth, nodes)
+        self.copy_depth = min(self.copy_depth, nodes)
         if chains_only:
             self.chains_only, self.width = True, 1
+
+    @property
+    def depth_cap(self) -> int:
+        """The deepest a step may draft: a tree's depth, or a followed copy's chain."""
+        return max(self.max_depth, self.copy_depth)
 
     def reset(self) -> None:
         if self.model is not None:
@@ -114,6 +127,10 @@ class TreeDrafter:
         self._t0 = time.perf_counter()  # the step's wall time runs until commit (after the target's pass)
         if self.costs is not None:  # pass costs at this context length (the draft's: its own view's)
             self._now = self.costs.at(len(ids), self.model.seen(len(ids)) if self.model is not None else None)
+        if self.copy_depth and self.costs is not None:
+            ride = self._ride(ids, min(depth_cap, self.copy_depth))
+            if ride is not None:
+                return ride
         backing_off = self.model is not None and self.adaptive and st.plain_left > 0
         if backing_off:
             st.plain_left -= 1  # backing off: prompt lookup (free to draft) may still propose
@@ -143,6 +160,21 @@ class TreeDrafter:
         if self.lookup is not None:
             self._add_lookup(ids, max_depth, params.greedy)
         return self._draft(self._select(params))
+
+    def _ride(self, ids: list[int], depth: int) -> Draft | None:
+        """The followed copy's chain alone, cut where its modelled rate is best, if that rate beats plain
+        decoding's by RIDE_MARGIN (decided before anything is drawn: the choice never depends on a draw)."""
+        chain = self.lookup.copy_chain(ids, depth)
+        if chain is None:
+            return None
+        rate, n, _ = best_cut(chain.values, self._now, 0.0, keep_all=False, max_nodes=depth)
+        if n == 0 or rate < RIDE_MARGIN / self._now.t(1):
+            return None
+        for j, (x, v) in enumerate(zip(chain.tokens[:n], chain.values[:n])):
+            self._add(Node(x, j - 1, j + 1, v, None, source=chain.source))
+        draft = self._draft(list(range(n)))
+        draft.strategy = "copy"
+        return draft
 
     def _read(self, run) -> None:
         t = time.perf_counter()
@@ -251,8 +283,9 @@ class TreeDrafter:
                 continue
             if self.chains_only and any(nd.parent == parent for nd in self.nodes):
                 continue  # chains only: one child per node
-            feature = lookup_feature(g)
-            value = (1.0 if parent < 0 else self.nodes[parent].value) * self.state.lookup(feature)
+            feature = lookup_feature(g) if g.value is None else None  # a followed copy values its own guesses
+            value = (1.0 if parent < 0 else self.nodes[parent].value) * (g.value if feature is None
+                                                                          else self.state.lookup(feature))
             # one-hot, so droppable; but a sampled tree is not cut later, so decide now
             if not greedy and self.adaptive:
                 total = sum(nd.value for nd in self.nodes) if total is None else total

@@ -59,6 +59,17 @@ class TextPart(BaseModel):
     text: str
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (an edited file). A source of guesses that
+    the target verifies like any other: the output stays the target's, only faster where the guess holds."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
     role: Literal["system", "developer", "user", "assistant"]
@@ -94,6 +105,8 @@ def request_models(max_tokens_cap: int):
         stream: bool | None = Field(False, description="stream server-sent events, ending with `data: [DONE]`")
         stream_options: StreamOptions | None = None
         speculation: Speculation | None = None
+        prediction: Prediction | None = Field(None, description="Predicted Outputs: {\"type\": \"content\", "
+                                              "\"content\": text or text parts} the answer is expected to repeat")
 
     class CompletionRequest(_Common):
         prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
@@ -123,7 +136,6 @@ UNSUPPORTED = {
     "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
-    "prediction": (None,),
 }
 
 
@@ -155,15 +167,31 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's breakdown. accepted_prediction_tokens: tokens of the prediction that were drafted and kept;
+    rejected_prediction_tokens: drafted and rejected by the target (billed as output by OpenAI; here they only
+    cost verification time)."""
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, speculation: dict | None = None) -> "Usage":
+        """speculation: the generation's Stats.as_dict(), whose "prediction" source gives the details."""
+        src = ((speculation or {}).get("sources") or {}).get("prediction") or {}
+        accepted = src.get("accepted", 0)
+        details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                          rejected_prediction_tokens=src.get("drafted", 0) - accepted)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
 
 
 FinishReason = Literal["stop", "length"]

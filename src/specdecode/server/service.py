@@ -165,7 +165,7 @@ class Service:
                       seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop, chat=chat,
                       **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes", "exact")
                          if getattr(spec, k) is not None}, **({} if history is None else {"history": history}),
-                      cache_scope=scope)
+                      cache_scope=scope, prediction=body.prediction.text() if body.prediction else None)
         param = "messages" if chat else "prompt"
         try:
             stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs)
@@ -201,7 +201,7 @@ class Service:
         return self.engine.stream(prompt, **kwargs)
 
     def final(self, end, endpoint: str) -> BaseModel:
-        usage = p.Usage.of(end.prompt_tokens, end.completion_tokens)
+        usage = p.Usage.of(end.prompt_tokens, end.completion_tokens, end.speculation)
         if endpoint == "chat":
             return p.ChatCompletionResponse(
                 id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
@@ -238,7 +238,7 @@ class Service:
                 elif kind == "delta":
                     yield p.sse(chunk(value))
                 elif kind == "end":
-                    usage = p.Usage.of(value.prompt_tokens, value.completion_tokens)
+                    usage = p.Usage.of(value.prompt_tokens, value.completion_tokens, value.speculation)
                     yield p.sse(chunk(None, value.finish_reason, usage=usage,
                                       speculation=self._speculation(value.speculation)))
                     if include_usage:
