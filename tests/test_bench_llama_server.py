@@ -1,4 +1,4 @@
-"""`specdecode bench --methods ...,llama-server,llama-server-draft,llama-server-ngram` (issue 22): llama.cpp's own
+"""`specdecode bench --methods ...,llama-server,llama-server-draft,llama-server-ngram`: llama.cpp's own
 server as a single-stream peer. The argument checks and the error without the binary (fast, before any model);
 the whole path (launch, /completion streamed, tokens, TTFT, stop) through a stand-in server
 (fake_llama_server.py: llama-cpp-python's greedy generation in llama-server's stream format); and, where

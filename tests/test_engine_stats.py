@@ -567,7 +567,7 @@ def controls(method: str, setting: str) -> list[str]:
 
 # pld (a one-hot q through the chain rule) at T=1 only: under truncation the same rule with a one-hot q is the
 # auto-lookup case at top-k 3 (one lookup guess, a chain) and the lookup case at top-p 0.7 (chains and trees of
-# guesses); two cases of ~3 minutes each on 2 cores that tested nothing the others do not (issue 20)
+# guesses); two cases of ~3 minutes each on 2 cores that tested nothing the others do not
 CASES = [(m, s) for m in ("draft", "tree", "auto") for s in SETTINGS] + [("pld", "T1"), ("auto-lookup", "topk3")] + \
     [("lookup", "T1"), ("lookup", "topp0.7"), ("draft-frspec", "T1"), ("auto-prediction", "T1")]
 

@@ -1,4 +1,4 @@
-"""`specdecode loadtest` (issue 22): the load client's statistics on a fake server and a fake clock, the client
+"""`specdecode loadtest`: the load client's statistics on a fake server and a fake clock, the client
 against our server at concurrency 1 and 3 (loopback only, a handful of requests), and the launch of a peer."""
 import asyncio
 import json

@@ -1,4 +1,4 @@
-"""The server as Ray Serve replicas (issue 19): a local Ray cluster on 127.0.0.1 with 2 replicas of the tiny models,
+"""The server as Ray Serve replicas: a local Ray cluster on 127.0.0.1 with 2 replicas of the tiny models,
 1 thread each, driven by the official openai client; and the `ray` extra kept optional. One module fixture starts
 Ray once (35 s of the minute these tests take on 2 cores): the tests that need it are marked slow (CI runs them;
 `-m "not slow"` leaves them out) and run on one xdist worker."""

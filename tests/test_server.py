@@ -822,7 +822,7 @@ def test_schemathesis(case):
         assert set(err) == {"message", "type", "param", "code"}
 
 
-# -- hardening (issue 22) ---------------------------------------------------------------------------------------------
+# -- hardening --------------------------------------------------------------------------------------------------------
 class OneThreadTokenizer:
     """A tokenizer that records when two threads use it at once (fast tokenizers can fail then with
     "Already borrowed"); each call lingers a little so that an overlap cannot slip by."""

@@ -1,4 +1,4 @@
-"""Paths that used to fail silently (issue 10) now fail loudly or behave as documented:
+"""Paths that could fail silently now fail loudly or behave as documented:
 
 1. a model that ignores the KV cache it is given (transformers before 5.24 swallows `cache=`) is an error;
 2. token trees under an attention implementation that may not honour a custom 4-D mask are refused
@@ -270,7 +270,7 @@ def test_stop_string_in_the_middle_of_a_pass_cuts_the_stats():
 
 
 def test_eos_in_the_middle_of_a_pass_cuts_the_stats():
-    """Already right before issue 10 (speculative_decode counts min(len(path), len(new))); kept so."""
+    """The loop counts accepted tokens up to an EOS (speculative_decode counts min(len(path), len(new))); kept so."""
     engine = _self_drafting_engine()
     full = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=80)
     ids = full.token_ids

@@ -1,4 +1,4 @@
-"""llama.cpp's own `llama-server` (and `llama-batched-bench`), built offline into the cache (issue 22).
+"""llama.cpp's own `llama-server` (and `llama-batched-bench`), built offline into the cache.
 
 llama-cpp-python's source package vendors llama.cpp: the same commit as our backend's kernels, server
 included. `build()` downloads that source package with pip (or takes an unpacked one), runs CMake on its

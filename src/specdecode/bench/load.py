@@ -1,4 +1,4 @@
-"""The load client of `specdecode loadtest` (issue 22): real streamed OpenAI requests against a server at a
+"""The load client of `specdecode loadtest`: real streamed OpenAI requests against a server at a
 fixed concurrency, and what a user of that server sees.
 
 Closed loop: `concurrency` clients each send their next request as soon as their last one ends, until

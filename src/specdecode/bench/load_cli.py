@@ -1,4 +1,4 @@
-"""`specdecode loadtest`: the load benchmark (issue 22). See bench/load.py (the client and its statistics),
+"""`specdecode loadtest`: the load benchmark. See bench/load.py (the client and its statistics),
 bench/load_peers.py (the servers it launches), bench/load_report.py (outputs), bench/llama_server.py (the
 offline build of llama.cpp's own server).
 
@@ -180,7 +180,7 @@ def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int
     # level by level, every peer at a level back to back: this VM's speed drifts by up to ~20% within half an hour
     # (measured, Zen 4: llama-batched-bench's prompt speed 102 -> 82 tok/s), so peers measured minutes apart differ
     # by the machine as much as by themselves; each level starts one peer later, so that no peer always goes first
-    # (the place in a round is worth a few per cent: alternated generations in one process, issue 16)
+    # (the place in a round is worth a few per cent: alternated generations in one process)
     argv_kw = {name: dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None,
                           target=target, draft=draft, llama_server=binary, serve_flags=flags,
                           extra=shlex.split(args.llama_args if name.startswith("llama-server") else

@@ -1,4 +1,4 @@
-"""The servers `specdecode loadtest --launch` starts itself (issue 22): each on a free loopback port, waited
+"""The servers `specdecode loadtest --launch` starts itself: each on a free loopback port, waited
 for until /health answers 200, measured (with its resident memory: procmem.py), then stopped (SIGINT, then
 SIGKILL after 30 s).
 

@@ -1,4 +1,4 @@
-"""Resident memory of a launched server (issue 22: the load test's memory bound).
+"""Resident memory of a launched server (the load test's memory bound).
 
 `rss_bytes(pid)`: the resident set size (VmRSS) of a process plus every process below it (a server that
 forks workers is measured whole; pages shared between them count once per process, as `ps` would sum

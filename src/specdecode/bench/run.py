@@ -119,7 +119,7 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
         for i, p in enumerate(prompts):
             # interleaved, prompt by prompt, each prompt's round starting one method later: in one process, of two
             # generations alternated on the same prompts, whichever ran first decoded 6-9% slower (Zen 4, 4 long
-            # prompts; issue 16), so no method keeps the first place
+            # prompts), so no method keeps the first place
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:
                 engine.history = histories[m]
                 rows += _turns(p, m, bar, lambda run, m: _run_one(engine, run, m, gamma, max_new_tokens, temperature,

@@ -1,4 +1,4 @@
-"""llama.cpp's own `llama-server` as a single-stream peer of `specdecode bench` (issue 22): what its
+"""llama.cpp's own `llama-server` as a single-stream peer of `specdecode bench`: what its
 speculation does on the same prompts, GGUF files and threads, next to ours.
 
 Peers: `llama-server` (plain), `llama-server-draft` (`--spec-type draft-simple -md DRAFT`: the draft GGUF our

@@ -34,7 +34,7 @@ class _Rows:
 
     def __init__(self, rows: list[dict], methods: list[str], config: dict):
         self.rows, self.config = rows, config
-        self.peer = "llama.cpp" if "llama.cpp" in methods and self.picked("llama.cpp") else None  # issue 16's yardstick
+        self.peer = "llama.cpp" if "llama.cpp" in methods and self.picked("llama.cpp") else None  # the yardstick of every ratio
         fwd = self.total(BASELINE, "target_forwards")
         self.ar_step = self.total(BASELINE, "verify_s") / fwd if fwd else None  # one plain step, in seconds
         self.ar_ids = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == BASELINE}
