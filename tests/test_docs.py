@@ -3,13 +3,12 @@ exist, and the examples marked runnable run on the tiny test models.
 
 Runnable examples: a fenced ```python block right after a line `<!-- runnable -->` (invisible on GitHub and
 in the MkDocs site). It is run as written, with `Engine.load()` without a target loading the tiny test
-models instead of the default pair. `<!-- runnable: prediction -->` marks an example of predicted outputs:
-it is skipped, with the reason, while the Engine has no `prediction` argument. `<!-- runnable: server -->`
+models instead of the default pair. `<!-- runnable: prediction -->` marks an example of predicted outputs
+(run the same way). `<!-- runnable: server -->`
 marks a client example: it runs against `specdecode serve`'s app on the tiny models, at the address the
 example names (http://127.0.0.1:8000, replaced by the test server's).
 """
 import importlib
-import inspect
 import re
 import shlex
 from pathlib import Path
@@ -199,11 +198,6 @@ def tiny_load(tiny_dirs, shared_cache, monkeypatch):
     return Engine
 
 
-def has_prediction() -> bool:
-    from specdecode import Engine
-    return "prediction" in inspect.signature(Engine.stream).parameters
-
-
 SERVED_AT = "http://127.0.0.1:8000"
 SERVED_MODEL = "qwen2.5-coder-1.5b-instruct"  # the default pair's name, which the examples send
 
@@ -211,8 +205,6 @@ SERVED_MODEL = "qwen2.5-coder-1.5b-instruct"  # the default pair's name, which t
 @pytest.mark.parametrize("code, tag", runnable_examples())
 def test_runnable_example(code, tag, tiny_load, capsys):
     assert tag in (None, "prediction", "server"), f"unknown runnable tag {tag!r}"
-    if tag == "prediction" and not has_prediction():
-        pytest.skip("Engine.stream has no `prediction` argument yet")
     srv = None
     if tag == "server":
         from helpers import LiveServer
@@ -248,8 +240,6 @@ def test_quickstart_commands_parse_with_the_real_cli():
     assert len(commands) >= 3
     parser = build_parser()
     for argv in commands:
-        if "--prediction" in argv and not has_prediction():
-            continue  # the flag lands with predicted outputs
         parser.parse_args(argv[1:])
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "x", "--no-such-flag"])
@@ -259,8 +249,6 @@ def test_quickstart_commands_parse_with_the_real_cli():
 def test_quickstart_commands_run(argv, tiny_dirs, shared_cache, tmp_path, monkeypatch, capsys):
     from specdecode.cli import main
     if "--prediction" in argv:
-        if not has_prediction():
-            pytest.skip("the CLI has no --prediction yet")
         (tmp_path / argv[argv.index("--prediction") + 1]).write_text("x = 1\nprint(x)\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SPECDECODE_CACHE", str(shared_cache))
