@@ -116,3 +116,33 @@ def test_a_forked_child_gets_its_own_compute_thread(gguf):
     out = os.read(r, 16) if ready else b"timeout"
     os.waitpid(pid, 0) if ready else (os.kill(pid, 9), os.waitpid(pid, 0))
     assert out == b"ok"
+
+
+def test_a_generation_without_a_length_does_not_keep_the_context_grown(gguf, monkeypatch):
+    """A server's request without max_tokens may run to the end of the context: room for it is made as the text
+    grows, not all of it up front, and a context that grew shrinks back when a later generation starts on an
+    empty cache (a bigger context makes every step slower, and holds more memory)."""
+    import specdecode.prefill as prefill_mod
+    monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 64)
+    monkeypatch.setattr(prefill_mod, "RESERVE_AHEAD", 128, raising=False)
+    target, tok, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
+    engine = Engine(target, tok)
+    first = target._cells
+    prompt = "abc " * 20
+    room = target.max_length - len(engine.encode(prompt))  # the server's default for a chat without max_tokens
+    stream = engine.stream(prompt, method="autoregressive", max_new_tokens=room)
+    for i, _ in enumerate(stream):
+        if i == 8:
+            break  # an answer that ends early, as most do
+    assert target._cells == first < 1024 < target.max_length
+    target.reset()
+    target.reserve(1500)  # a long generation grew it
+    assert target._cells >= 1500 + MAX_SEQ
+    short = engine.generate(prompt, method="autoregressive", max_new_tokens=20)
+    assert target._cells == first  # back to what this generation needs
+    # a generation that outgrows what was reserved up front: the same tokens as one with room from the start
+    grown = engine.generate(prompt, method="autoregressive", max_new_tokens=300)
+    monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 4096)
+    big, tok2, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
+    ref = Engine(big, tok2).generate(prompt, method="autoregressive", max_new_tokens=300)
+    assert grown.token_ids == ref.token_ids and short.token_ids == ref.token_ids[:len(short.token_ids)]

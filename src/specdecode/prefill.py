@@ -11,6 +11,8 @@ from .errors import SpecDecodeError
 from .sampling import argmax
 from .stats import Stats
 
+RESERVE_AHEAD = 1024  # output tokens a generation's cache is sized for up front (most answers are shorter)
+
 
 def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_tokens: int, stats: Stats,
             whole: bool, scope: str | None = None) -> tuple[list[int], list[int]]:
@@ -25,7 +27,11 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     keep = target.keep_prefix(prompt_ids, scope)  # 0: the cache emptied
     target.owner = None  # until the prompt is in: a failed read leaves nothing to reuse
     stats.cached_prompt_tokens = keep
-    target.reserve(len(prompt_ids) + max_new_tokens)
+    # room for the prompt and the start of the output; more comes as the text grows (LM.forward), so that a request
+    # that may run to the context's end (a server's without max_tokens) does not size the cache for it up front.
+    # Exact mode reserves it all: growing reads the text again in other passes than plain decoding's.
+    ahead = max_new_tokens if getattr(target, "exact", False) else min(max_new_tokens, RESERVE_AHEAD)
+    target.reserve(len(prompt_ids) + ahead)
     if drafter is not None:
         drafter.reset()
     ids, head, t = list(prompt_ids), [], time.perf_counter()

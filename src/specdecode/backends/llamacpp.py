@@ -202,7 +202,7 @@ class LlamaLM(LM):
         if self._ctx:
             lc.llama_free(self._ctx)
             self._ctx = None
-        self._cparams.n_ctx = max(cells, N_BATCH)  # llama.cpp caps a batch at the context's size
+        self._cparams.n_ctx = self._asked = max(cells, N_BATCH)  # llama.cpp caps a batch at the context's size
         self._ctx = lc.llama_init_from_model(self._model, self._cparams)
         if not self._ctx:
             raise SpecDecodeError(f"llama.cpp could not create a context for {self.path} (n_ctx={cells}; "
@@ -213,13 +213,18 @@ class LlamaLM(LM):
     def reserve(self, n: int) -> None:
         """Make room for n tokens of text (and a tree beyond them): the context doubles until it holds
         them, up to max_length. Cheap on an empty cache (a new context); with cached text, that text is
-        read again (once per doubling)."""
+        read again (once per doubling). On an empty cache, a context that an earlier generation grew past
+        what n needs shrinks back (a bigger one makes every step slower and holds more memory)."""
         n = min(n, self.max_length)
-        if n + MAX_SEQ + self.parked <= self._cells:
-            return
         cells = min(self.max_length, FIRST_CTX)
         while cells < n:
             cells = min(2 * cells, self.max_length)
+        if not self.ids and max(cells + MAX_SEQ, N_BATCH) < self._asked:
+            self._new_context(cells + MAX_SEQ)
+            self.reset()
+            return
+        if n + MAX_SEQ + self.parked <= self._cells:
+            return
         if self.trunk != len(self.ids):
             raise SpecDecodeError("the llama.cpp context can grow only between passes (no tree cached)")
         text = list(self.ids)
