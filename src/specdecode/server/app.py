@@ -97,7 +97,7 @@ class BearerKey(HTTPBearer):
     async def __call__(self, request: Request):
         credentials = await super().__call__(request)
         # header values are decoded as latin-1: back to the bytes the client sent, as the key's UTF-8
-        if credentials is None or not hmac.compare_digest(credentials.credentials.encode("latin-1"), self.key):
+        if credentials is None or not hmac.compare_digest(credentials.credentials.strip().encode("latin-1"), self.key):
             raise APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return credentials
