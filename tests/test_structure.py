@@ -58,10 +58,11 @@ def test_nothing_outside_backends_asks_which_backend_it_holds():
             assert "specdecode.backends.loading" not in imports, f"{rel} imports backends.loading"
 
 
-def test_no_module_over_400_lines():
+def test_no_module_over_600_lines():
+    """One concept per file; this only backstops a file that grew several (a file is never split to fit a number)."""
     for path in SRC.rglob("*.py"):
         n = len(path.read_text().splitlines())
-        assert n <= 400, f"{path.relative_to(SRC)} has {n} lines; split it"
+        assert n <= 600, f"{path.relative_to(SRC)} has {n} lines: more than one concept?"
 
 
 def test_no_function_over_60_lines():

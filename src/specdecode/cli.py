@@ -179,6 +179,8 @@ def certify(args) -> int:
                               f"{', '.join(drafting)}")
     if args.draws < 1000 or args.max_new_tokens <= 0:
         raise SpecDecodeError("--draws must be at least 1000 and --max-new-tokens positive")
+    if args.route:
+        raise SpecDecodeError("certify checks one engine at a time; drop --route (or check each --backend)")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, progress=not args.json)
@@ -202,6 +204,10 @@ def _backend_args(parser) -> None:
     from .backends import BACKENDS
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto (default): GGUF models on the CPU run on llama.cpp, the rest on torch")
+    parser.add_argument("--route", action="store_true",
+                        help="a GGUF target on llama.cpp and also on torch in bf16 (where this CPU's bf16 passes "
+                             "measure flat and memory allows), each request run whole on the one its measured costs "
+                             "predict faster (an edit with a prediction: often torch; a chat: llama.cpp)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     parser.add_argument("--draft-quant", choices=["auto", "none", "Q4_0", "Q8_0"], default="auto",
                         help="llama.cpp: run the draft in its fastest type here (auto, measured once), keep the "
@@ -218,6 +224,15 @@ def _backend_args(parser) -> None:
     parser.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
                         help=f"the draft model sees about the last N tokens of the text (default {DRAFT_WINDOW}; 0: all "
                              "of it): on a long prompt it reads a window, not the whole prompt; the output is the same")
+
+
+def _loader(args):
+    """Engine.load, or with --route a routing.Router over llama.cpp and torch bf16 (same arguments)."""
+    from .engine import Engine
+    if getattr(args, "route", False):
+        from .routing import Router
+        return Router.load
+    return Engine.load
 
 
 def _lookup_args(parser, history: bool = False, history_default: int = 0) -> None:
@@ -275,7 +290,7 @@ def bench(args) -> None:
     if tree and methods is not None and not set(shaped) & set(methods):
         raise SpecDecodeError(f"--tree-width/--tree-depth/--tree-nodes apply to method {' or '.join(shaped)}, "
                               "which is not benchmarked")
-    engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+    engine = _loader(args)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore,
                          history_tokens=args.history_tokens, with_draft=methods is None or needs_draft_model(methods))
@@ -305,7 +320,7 @@ def generate(args) -> None:
             raise SpecDecodeError(f"--prediction: cannot read {args.prediction}: {e}") from None
     Engine.check(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **_tree_kwargs(args))
-    engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+    engine = _loader(args)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=wants_draft_model([args.method]), progress=not args.json,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore)

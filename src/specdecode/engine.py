@@ -100,7 +100,7 @@ class Engine:
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
-        "torch" or "llama.cpp". draft_quant (llama.cpp): "auto" runs the draft in whichever of its
+        "torch" or "llama.cpp" (routing.Router.load: a GGUF target on both, each request on the faster). draft_quant (llama.cpp): "auto" runs the draft in whichever of its
         file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output),
         "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine.
         draft_vocab (torch): truncate the draft's output layer to this many most frequent tokens of

@@ -40,6 +40,8 @@ class Slots:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise SpecDecodeError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
+        if hasattr(engine, "engines"):  # a routing.Router: its requests run one at a time, each on one engine
+            raise SpecDecodeError("--route serves one request at a time; drop --parallel or --route")
         if engine.target.batch_error is not None:  # before any cost measurement
             raise SpecDecodeError(engine.target.batch_error)
         if engine.exact:  # llama.cpp places each token's cell itself: sharing a cache breaks the cell order

@@ -47,6 +47,7 @@ class Stats:
     catchup_s: float = 0.0  # of draft_s: the draft model reading text it had not seen (prompt, skipped steps)
     verify_s: float = 0.0
     finish_reason: str | None = None  # "eos" | "stop" | "length"
+    engine: str | None = None  # with several engines loaded (routing.Router): the one that ran this generation
 
     def __post_init__(self):
         # per target pass: [tokens it emitted, how many of them were accepted draft tokens (its first ones),

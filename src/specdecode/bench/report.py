@@ -34,7 +34,8 @@ def _speed_cells(r: dict) -> str:
 def report(results: dict) -> str:
     """report.md: the main table, then a section per aspect (each empty where the run has nothing for it)."""
     lines: list[str] = []
-    for section in (_head, _speeds, _speedup_by_category, _drafters, _turns, _pass_costs, _auto, _tree, _per_prompt):
+    for section in (_head, _speeds, _speedup_by_category, _drafters, _engines, _turns, _pass_costs, _auto, _tree,
+                    _per_prompt):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -118,6 +119,16 @@ def _drafters(results: dict) -> list[str]:
                 cells.append("–" if not d else f"{d['accepted']}/{d['drafted']} ({_f(d['acceptance_rate'], '{:.0%}')})")
             lines.append(f"| {m} | {_f(r.get('draft_cost_per_pass'), '{:.3f}')} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _engines(results: dict) -> list[str]:
+    """With --route: the engine each method's prompts ran on."""
+    rows = [(m, r["engines"]) for m, r in results["methods"].items() if r.get("engines")]
+    if not rows:
+        return []
+    return ["\n## Engines (--route: each prompt on the engine its measured costs predict faster)\n",
+            "| method | prompts per engine |", "|---|---|"] + \
+        [f"| {m} | " + ", ".join(f"{e} {n}" for e, n in d.items()) + " |" for m, d in rows]
 
 
 def _turns(results: dict) -> list[str]:

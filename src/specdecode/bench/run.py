@@ -225,6 +225,7 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
                         **(tree or {} if _is(method, "tree_options") else {}))
     s = g.stats
     return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s, "sources": s.sources,
+            "engine": s.engine,
             "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,
             "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
             "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,

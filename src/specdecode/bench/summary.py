@@ -122,6 +122,9 @@ def _summarize_method(rs: _Rows, m: str, greedy: bool) -> dict:
         res["draft_cost_per_pass"] = total(m, "draft_s") / fwd / ar_step
     if any(r.get("sources") for r in mine):
         res["sources"] = _by_source(mine)
+    if any(r.get("engine") for r in mine):  # --route: which engine served how many prompts
+        res["engines"] = {e: sum(r.get("engine") == e for r in mine) for e in sorted({r["engine"] for r in mine
+                                                                                       if r.get("engine")})}
     turns = sorted({r.get("turn", 1) for r in mine})
     if len(turns) > 1:
         res["by_turn"] = _by_turn(mine, turns)

@@ -1,0 +1,193 @@
+"""The engine that suits the request: one GGUF model loaded twice, on llama.cpp (quantized kernels: the
+cheapest plain step on a CPU) and on torch in bf16 (where the CPU's matrix units make a pass over 16 tokens
+cost about one plain step, and a prompt is read several times faster). Each request runs whole, from its first
+token to its last, on the engine whose measured costs predict it ends first, so its output is that engine's
+target distribution; greedy answers of the two engines can differ at near-ties, as passes of different sizes
+can on one engine. Exact mode, and the methods that need the draft model, stay on llama.cpp.
+
+    >>> router = Router.load()                 # `--route`: llama.cpp, plus torch where it pays here
+    >>> out = router.generate(prompt, prediction=old_file)
+    >>> out.stats.engine                       # the engine that served it: "llama.cpp" or "torch"
+
+Torch joins only where a bf16 matrix product over 16 rows measures at most FLAT_RATIO times one over a single
+row on this machine (`flat_ratio`: timed, never assumed from the CPU's name) and memory allows the bf16 copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .errors import SpecDecodeError
+from .machine import cache_dir, cpu_name, write_json
+from .methods import METHOD_TABLE
+
+FLAT_RATIO = 1.5  # torch joins where a 16-row bf16 product costs at most this many 1-row ones
+COPY_ALPHA = 0.95  # per-token acceptance a request with a prediction is planned with (an edit: a few edit points)
+DEFAULT_NEW = 256  # tokens a request without a prediction is priced at when its max_new_tokens is larger
+READ_TOKENS = 256  # the prompt read once per engine to price prompts (seconds per prompt token)
+ROUTED = {"auto", "lookup", "pld", "autoregressive"}  # methods that run on either engine (no draft model needed)
+
+
+def flat_ratio(rows: int = 16, d: int = 1536, ff: int = 4096, repeats: int = 5) -> float:
+    """Seconds of a bf16 [rows, d] x [d, ff] product over those of a [1, d] one (the shape of a 1.5B model's MLP):
+    about 1 where the CPU has matrix units for bf16 (AMX), about `rows` where it computes row by row."""
+    w = torch.randn(d, ff, dtype=torch.bfloat16)
+    best = {}
+    for n in (1, rows):
+        x = torch.randn(n, d, dtype=torch.bfloat16)
+        for _ in range(2):
+            x @ w  # warm-up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(8):
+                x @ w
+            times.append(time.perf_counter() - t)
+        best[n] = min(times)
+    return best[rows] / best[1]
+
+
+def memory_available() -> int | None:
+    """Bytes the kernel reports as available (None where /proc/meminfo is not there)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def read_seconds(engine: Engine, tokens: int = READ_TOKENS) -> float:
+    """Seconds per prompt token on this engine: a prompt of `tokens` tokens read once (cached per machine)."""
+    key = f"{cpu_name()}|{engine.target.describe()}|{tokens}"
+    path = cache_dir() / "routing" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("key") == key and raw["read_s"] > 0:
+                return raw["read_s"]
+        except (ValueError, KeyError, TypeError):
+            pass
+    lm = engine.target
+    tokens = min(tokens, lm.max_length - 1)
+    with engine.lease.held("timing a prompt read"):
+        lm.reset()
+        t = time.perf_counter()
+        lm.forward([(7 * i + 11) % min(1000, lm.vocab_size) for i in range(tokens)], last_only=True)
+        lm.synchronize()
+        seconds = (time.perf_counter() - t) / tokens
+        lm.reset()
+    write_json(path, {"key": key, "read_s": seconds})
+    return seconds
+
+
+def tokens_per_second(costs, context: int, alpha: float) -> float:
+    """The best decoding rate on these pass costs at this context: plain steps (alpha 0), or chains of k guesses
+    each taken with probability alpha (Leviathan et al.'s expected tokens, the measured T(k+1))."""
+    c = costs.at(context)
+    best = 1.0 / c.t(1)
+    if alpha > 0:
+        for k in sorted(c.target):
+            if k < 2:
+                continue
+            tokens = (1 - alpha ** k) / (1 - alpha)  # k - 1 guesses and the bonus
+            best = max(best, tokens / c.t(k))
+    return best
+
+
+class Router:
+    """Engines on the same model; `stream`/`generate` run each request on the one predicted to end first.
+    Everything else (tokenizer, checks, the target's context, history, costs) is the first engine's."""
+
+    def __init__(self, engines: dict[str, Engine]):
+        if not engines:
+            raise SpecDecodeError("a router needs at least one engine")
+        self.engines = engines
+        self.primary = next(iter(engines.values()))
+        self.read_s = {name: read_seconds(e) for name, e in engines.items()} if len(engines) > 1 else {}
+        self.choices: dict[str, int] = {name: 0 for name in engines}
+
+    @property
+    def backend(self) -> str:
+        return " + ".join(self.engines)
+
+    def __getattr__(self, name):  # the primary engine's attributes (tokenizer, target, history, check, ...)
+        return getattr(self.__dict__["primary"], name)
+
+    @classmethod
+    def load(cls, target=None, draft=None, *, backend: str = "auto", dtype=None, device=None, progress: bool = True,
+             threads=None, exact: bool = False, **kwargs):
+        """llama.cpp's engine, and beside it the same target on torch in bf16 where its passes measure flat here
+        and memory allows; a Router either way (with one engine it only forwards). Arguments: Engine.load's."""
+        if backend not in ("auto", "llama.cpp") or dtype is not None or device not in (None, "cpu"):
+            raise SpecDecodeError("--route runs a GGUF target on llama.cpp and on torch bf16, on the CPU: --backend, "
+                                  "--dtype and --device do not apply")
+        primary = Engine.load(target, draft, backend="llama.cpp", progress=progress, threads=threads, exact=exact,
+                              **kwargs)
+        engines = {"llama.cpp": primary}
+        why = torch_unsuited(primary)
+        if why is None:
+            engines["torch"] = Engine.load(target, None, backend="torch", dtype="bf16", with_draft=False,
+                                           progress=progress, threads=threads,
+                                           history_tokens=kwargs.get("history_tokens", 0),
+                                           datastore=kwargs.get("datastore"))
+            engines["torch"].tree_costs()  # measured now (once per machine), not in the first request
+        elif progress:
+            print(f"--route: llama.cpp only ({why})", flush=True)
+        primary.tree_costs()
+        return cls(engines)
+
+    def predict_s(self, name: str, prompt_tokens: int, new_tokens: int, alpha: float) -> float:
+        """Seconds this request should take on engine `name`: its prompt read, then its tokens decoded."""
+        costs = self.engines[name].tree_costs()
+        rate = tokens_per_second(costs, prompt_tokens + new_tokens // 2, alpha)
+        return self.read_s.get(name, 0.0) * prompt_tokens + new_tokens / rate
+
+    def choose(self, prompt_tokens: int, new_tokens: int, alpha: float) -> str:
+        if len(self.engines) == 1:
+            return next(iter(self.engines))
+        return min(self.engines, key=lambda n: self.predict_s(n, prompt_tokens, new_tokens, alpha))
+
+    def stream(self, prompt, **kwargs):
+        method = kwargs.get("method", "auto")
+        pinned = kwargs.get("exact") or (kwargs.get("exact") is None and self.primary.exact) or method not in ROUTED
+        name = next(iter(self.engines))
+        if not pinned and len(self.engines) > 1:
+            prompt_ids = self.primary.encode(prompt, kwargs.get("chat", False))
+            prediction = self.primary.encode_prediction(kwargs.get("prediction"))
+            cap = kwargs.get("max_new_tokens", 128)
+            drafts = METHOD_TABLE[method].drafts and bool(prediction)
+            new = min(cap, len(prediction)) if prediction else min(cap, DEFAULT_NEW)
+            name = self.choose(len(prompt_ids), new, COPY_ALPHA if drafts else 0.0)
+        stream = self.engines[name].stream(prompt, **kwargs)
+        stream.stats.engine = name
+        self.choices[name] += 1
+        return stream
+
+    def generate(self, prompt, **kwargs):
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+
+def torch_unsuited(engine: Engine) -> str | None:
+    """Why the torch bf16 engine should not join on this machine (None: it should)."""
+    if os.environ.get("SPECDECODE_ROUTE_FORCE") == "1":  # tests and measurements on any machine
+        return None
+    ratio = flat_ratio()
+    if ratio > FLAT_RATIO:
+        return f"a bf16 product over 16 rows costs {ratio:.1f}x one over 1 row here; torch joins at {FLAT_RATIO}x or less"
+    n = getattr(engine.target, "n_params", None)
+    need = 2 * n if n else None  # bf16: two bytes a parameter
+    free = memory_available()
+    if need is not None and free is not None and free < 1.25 * need:
+        return f"the bf16 copy needs about {need / 2 ** 30:.1f} GiB; {free / 2 ** 30:.1f} GiB is available"
+    return None

@@ -1,0 +1,109 @@
+"""The engine that suits the request (routing.py): which engine a request runs on, that it runs whole there, and
+`--route` end to end on a tiny GGUF (llama.cpp and torch bf16 from the same file)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import char_tokenizer, tiny_model
+
+from specdecode import Engine, SpecDecodeError
+from specdecode.planning.costs import CostModel
+from specdecode.routing import Router, flat_ratio, tokens_per_second
+
+# a compute-bound engine (llama.cpp's Q4 on 2 cores): cheap plain steps, dear wide passes, slow prompt reading
+STEEP = CostModel({1: 1.0, 2: 1.53, 4: 1.53, 8: 2.97, 16: 3.39, 32: 6.1, 64: 12.2}, {})
+# a bandwidth-bound engine (bf16 with AMX): plain steps three times dearer, a 16-token pass about one step
+FLAT = CostModel({1: 3.0, 2: 3.0, 4: 3.05, 8: 3.1, 16: 3.2, 32: 3.6, 64: 4.5}, {})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def engine(costs, seed=0):
+    tok = char_tokenizer()
+    e = Engine(tiny_model(seed), tok, tiny_model(1), tok)
+    e.costs, e.progress = costs, False
+    return e
+
+
+@pytest.fixture(scope="module")
+def router():
+    r = Router.__new__(Router)  # two engines with hand-made costs; no timing
+    r.engines = {"steep": engine(STEEP), "flat": engine(FLAT)}
+    r.primary = r.engines["steep"]
+    r.read_s = {"steep": 0.12, "flat": 0.03}  # the flat engine reads prompts 4x faster
+    r.choices = {"steep": 0, "flat": 0}
+    return r
+
+
+def test_rates_follow_the_pass_costs():
+    assert tokens_per_second(STEEP, 128, 0.0) == pytest.approx(1.0)
+    assert tokens_per_second(FLAT, 128, 0.0) == pytest.approx(1 / 3)
+    # a nearly certain copy: the flat engine's deep chains beat the steep engine's
+    assert tokens_per_second(FLAT, 128, 0.95) > tokens_per_second(STEEP, 128, 0.95) > 1.0
+
+
+def test_an_edit_with_a_prediction_goes_to_the_flat_engine_and_a_chat_stays(router):
+    assert router.choose(1000, 400, 0.95) == "flat"
+    assert router.choose(30, 200, 0.0) == "steep"
+    # the prediction is what decides the choice: without it the long prompt still decodes plainly on the steep one
+    assert router.choose(1000, 400, 0.0) == "steep"
+
+
+def test_each_request_runs_whole_on_the_chosen_engine(router):
+    old = "def add(a, b):\n    return a + b\n" * 3
+    prompt = "Rename add to plus:\n" + old * 3  # a long prompt for these models: reading it matters
+    out = router.generate(prompt, max_new_tokens=60, prediction=old)
+    assert out.stats.engine == "flat"
+    alone = router.engines["flat"].generate(prompt, max_new_tokens=60, prediction=old)
+    assert out.token_ids == alone.token_ids
+    short = router.generate("hi", max_new_tokens=20)
+    assert short.stats.engine == "steep"
+    assert short.token_ids == router.engines["steep"].generate("hi", max_new_tokens=20).token_ids
+
+
+def test_exact_mode_and_draft_model_methods_stay_on_the_first_engine(router, monkeypatch):
+    old = "x = 1\n" * 20
+    assert router.generate(old, method="draft", max_new_tokens=10, prediction=old).stats.engine == "steep"
+    calls = []
+    monkeypatch.setattr(router.engines["steep"], "stream",
+                        lambda prompt, **kw: calls.append(kw) or Engine.stream(router.engines["steep"], prompt,
+                                                                                **{**kw, "exact": None}))
+    router.stream(old, max_new_tokens=5, prediction=old, exact=True)
+    assert calls and calls[0]["exact"] is True  # pinned, and asked for exact mode
+
+
+def test_the_router_answers_for_its_first_engine(router):
+    assert router.tokenizer is router.engines["steep"].tokenizer and router.backend == "steep + flat"
+    with pytest.raises(SpecDecodeError):
+        Router({})
+
+
+def test_flat_ratio_is_a_measured_ratio():
+    r = flat_ratio(rows=4, d=64, ff=128, repeats=2)
+    assert r > 0
+
+
+def test_route_end_to_end_on_a_tiny_gguf(tmp_path, monkeypatch):
+    from tinygguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
+    monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")  # this machine's bf16 ratio must not decide a test
+    both = Router.load(str(gguf), None, progress=False, with_draft=False)
+    assert set(both.engines) == {"llama.cpp", "torch"} and both.read_s["torch"] > 0
+    out = both.generate("hello hello hello", method="auto", max_new_tokens=8)
+    assert out.stats.engine in ("llama.cpp", "torch") and len(out.token_ids) == 8
+    with pytest.raises(SpecDecodeError, match="--dtype"):
+        Router.load(str(gguf), None, dtype="fp32", progress=False)
+
+
+def test_route_refuses_batching():
+    from specdecode.slots import Slots
+    r = Router.__new__(Router)
+    r.engines, r.primary = {"a": None}, None
+    with pytest.raises(SpecDecodeError, match="--route"):
+        Slots(r, 2)
