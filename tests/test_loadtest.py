@@ -120,6 +120,8 @@ def test_llama_server_peer_command(tmp_path):
     assert "-t 2 -tb 2 -np 4 -kvu -c 16384" in flags and "--host 127.0.0.1 --port 1234" in flags
     assert " ".join(peer_argv("llama-server-draft", **kw)).endswith(f"--spec-type draft-simple -md {draft} -td 2 -tbd 2")
     assert " ".join(peer_argv("llama-server-ngram", **kw)).endswith("-np 4 -kvu -c 16384 --no-webui --spec-type ngram-mod")
+    assert " ".join(peer_argv("llama-server-ngram-simple", **kw)).endswith(
+        "--no-webui --spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 16")
     ours = peer_argv("specdecode", **kw)
     assert ours[1:4] == ["-m", "specdecode", "serve"] and "--parallel" not in ours and "--ctx-size" not in ours
     flags = ("--parallel", "--ctx-size")
