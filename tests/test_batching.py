@@ -565,3 +565,42 @@ def test_served_calls_are_observed_by_the_slots_table(engine):
     slots.generate_many(PROMPTS[:2], method="autoregressive", max_new_tokens=8)
     assert seen and len(seen) == slots.lockstep.passes - before  # every call of the target's context, once
     assert all(m >= 1 and s > 0 for m, s in seen)
+
+
+@pytest.mark.parametrize("method", ["lookup", "auto", "tree"])
+def test_every_drafter_stays_within_its_slots_tree_node_ids(engine, method, monkeypatch):
+    """32 slots hold (256 - 32) / 32 = 7 tree-node ids each: every planned drafter's tree (the draft model's
+    expansion too) fits in them, on repetitive prompts whose lookup guesses would grow bigger trees."""
+    from specdecode.backends.batching import LlamaSlot
+    widest = []
+    tree_pass = LlamaSlot._tree_pass
+
+    def spy(self, new_ids, parents, n_trunk, last_only):
+        widest.append((len(new_ids) - n_trunk, self.max_tree_nodes))
+        return tree_pass(self, new_ids, parents, n_trunk, last_only)
+    monkeypatch.setattr(LlamaSlot, "_tree_pass", spy)
+    from specdecode.planning.costs import CostModel
+    slots = Slots(engine, 32, cells=32 * 512)
+    flat = CostModel({n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64)}, {n: 0.001 for n in (1, 2, 4, 8, 16, 32, 64)})
+    for e in slots.engines:  # passes priced flat: every guess pays, so trees grow as big as they may
+        e.costs = flat
+    prompts = [f"{w} {w} {w} {w} {w} {w} {w}" for w in ("abc def", "the cat sat", "one two three", "xyz q")] * 2
+    outs = slots.generate_many(prompts, method=method, max_new_tokens=48)
+    assert all(o.stats.new_tokens > 0 for o in outs)
+    assert widest and max(n for n, _ in widest) <= 7 and {cap for _, cap in widest} == {7}
+
+
+def test_a_slots_share_of_tree_node_ids_leaves_a_copys_chain_its_depth(engine):
+    """A followed copy's chain runs on the committed text (no tree-node ids): a slot's cap bounds trees, not it;
+    exact mode's pass sizes (limit) still bound both."""
+    from specdecode.methods import DraftRequest
+    from specdecode.planning.tree import MAX_COPY_DEPTH
+    from specdecode.sampling import SamplingParams
+    slots = Slots(engine, 32, cells=32 * 512)
+    e = slots.engines[0]
+    request = DraftRequest(4, SamplingParams(), None, None, None, 64, None, tuple(range(40, 120)), None)
+    for method in ("lookup", "auto", "tree"):
+        d = getattr(e, f"_{method}_drafter")(request)
+        assert d.max_nodes <= 7 and d.copy_depth == MAX_COPY_DEPTH and d.depth_cap == MAX_COPY_DEPTH
+        d.limit(3, chains_only=True)
+        assert d.max_nodes == d.copy_depth == 3

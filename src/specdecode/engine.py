@@ -308,8 +308,9 @@ class Engine:
     # fresh TreeState: a tree's shape (so a near-tie's side) never depends on what this Engine generated before
     def _lookup_drafter(self, request: DraftRequest):
         """lookup guesses only, planned on the measured costs: no draft model"""
-        return TreeDrafter(None, lookup=self._lookup(request), costs=self.tree_costs(), state=TreeState(),
-                           chains_only=bool(self._tree_error(None)))  # a model that cannot run trees: one chain
+        drafter = TreeDrafter(None, lookup=self._lookup(request), costs=self.tree_costs(), state=TreeState(),
+                              chains_only=bool(self._tree_error(None)))  # a model that cannot run trees: one chain
+        return self._fit(drafter, None)
 
     def _auto_drafter(self, request: DraftRequest):
         costs = self.tree_costs()
@@ -322,8 +323,22 @@ class Engine:
         state.measure = True
         # lazy: the draft reads the text only when a step runs it, and a step runs it only when the
         # seconds it should save before max_new_tokens pay for that reading (tree.TreeDrafter._model_pays)
-        return TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup(request), lazy=True,
-                           remaining=request.max_new_tokens, chains_only=bool(self._tree_error(model)))
+        return self._fit(TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup(request), lazy=True,
+                                     remaining=request.max_new_tokens, chains_only=bool(self._tree_error(model))),
+                         model)
+
+    def _fit(self, drafter: TreeDrafter, model) -> TreeDrafter:
+        """The drafter's trees within what the caches of the models it runs hold (a batch slot: its share of ids)."""
+        held = self._ids_held(model)
+        if held is not None:
+            drafter.limit_tree(held)
+        return drafter
+
+    def _ids_held(self, model) -> int | None:
+        """Tree nodes the caches of the target and this draft model hold at once (None: no cap)."""
+        caps = [lm.max_tree_nodes for lm in (self.target, model.lm if model is not None else None)
+                if lm is not None and lm.max_tree_nodes is not None]
+        return min(caps, default=None)
 
     def _tree_drafter(self, request: DraftRequest):
         error = self._tree_error(self.draft_model)
@@ -333,7 +348,8 @@ class Engine:
         drafter = TreeDrafter(self.draft_model, pld=True, width=request.tree_width, depth=request.tree_depth,
                               nodes=request.tree_nodes, costs=self.tree_costs(), state=TreeState(),
                               lookup=self._lookup(request))
-        drafter.limit(cap, chains_only=False)  # passes no bigger than the caches hold
+        # passes no bigger than the caches hold (a copy's chain needs no tree-node ids)
+        drafter.limit_tree(cap, self._ids_held(self.draft_model))
         return drafter
 
     def _pld_drafter(self, request: DraftRequest):

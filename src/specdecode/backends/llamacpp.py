@@ -304,7 +304,7 @@ class LlamaLM(LM):
         if n > N_BATCH:
             raise SpecDecodeError(f"a tree pass of {n} tokens exceeds llama.cpp's batch of {N_BATCH}")
         if n - n_trunk > len(self._free):
-            raise SpecDecodeError(f"the llama.cpp backend holds at most {MAX_SEQ - 1} tree nodes in its cache "
+            raise SpecDecodeError(f"the llama.cpp backend holds at most {self.max_tree_nodes} tree nodes in its cache "
                                   f"({n - n_trunk} more were fed with {len(self.ids) - self.trunk} cached)")
         trunk_after = self.trunk + n_trunk
         for b in range(n_trunk, n):  # all checks before any sequence id is taken

@@ -84,6 +84,7 @@ class TreeDrafter:
         # (within a depth or node count given by hand)
         self.copy_depth = min(MAX_COPY_DEPTH, depth or MAX_COPY_DEPTH, nodes or MAX_COPY_DEPTH) \
             if self.lookup is not None and self.lookup.copies else 0
+        self.draft_nodes: int | None = None  # tree nodes the draft model's cache may hold in one step (None: any)
         self.costs, self.state = costs, state or TreeState()
         self._now = costs  # the costs at the current context length (set each step)
         self.lazy, self.remaining = lazy, remaining
@@ -99,6 +100,15 @@ class TreeDrafter:
         self.copy_depth = min(self.copy_depth, nodes)
         if chains_only:
             self.chains_only, self.width = True, 1
+
+    def limit_tree(self, nodes: int, draft_nodes: int | None = None) -> None:
+        """At most `nodes` tree nodes per target pass and `draft_nodes` (default: `nodes`) in the draft model's cache
+        in one step: the sequence ids a llama.cpp cache, or a batch slot's share of one, holds. A followed copy's
+        chain runs on the committed text (no tree-node ids) and keeps its depth."""
+        draft_nodes = nodes if draft_nodes is None else draft_nodes
+        self.max_nodes = min(self.max_nodes, nodes)
+        self.max_depth = min(self.max_depth, nodes, draft_nodes + 1)
+        self.draft_nodes = draft_nodes if self.draft_nodes is None else min(self.draft_nodes, draft_nodes)
 
     @property
     def depth_cap(self) -> int:
@@ -148,6 +158,8 @@ class TreeDrafter:
             for depth in range(1, model_depth + 1):
                 new = [i for parent, lg in frontier for i in self._children(parent, lg, depth, params, generator)]
                 expand = self._next_frontier(new, params) if depth < model_depth else []
+                if self.draft_nodes is not None:  # the draft's cache holds every node expanded this step
+                    expand = expand[:max(0, self.draft_nodes - (len(self.model.lm) - self._root_index - 1))]
                 if not expand:
                     break
                 n0 = len(self.model.lm)
