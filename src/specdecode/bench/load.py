@@ -51,12 +51,19 @@ def request_body(row: dict, model: str, max_tokens: int, extra: dict | None = No
 
 
 async def one_request(client, url: str, model: str, row: dict, max_tokens: int, clock=time.perf_counter,
-                      extra: dict | None = None) -> dict:
-    """Send one streamed request; returns its record (see the module's docstring)."""
-    path, body = request_body(row, model, max_tokens, extra)
+                      extra: dict | None = None, body: dict | None = None, hang_up=None) -> dict:
+    """Send one request; returns its record (see the module's docstring). body: the request as sent (default:
+    request_body's, streamed; chat where it has `messages`); a body without `stream` gets its JSON answer read.
+    hang_up(rec): asked before each line of a stream (first right after its headers), True closes the connection
+    there, as a client that leaves (rec["hung_up"])."""
+    if body is None:
+        path, body = request_body(row, model, max_tokens, extra)
+    else:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     chat = "messages" in body
     rec = {"id": row["id"], "status": None, "error": None, "text": "", "usage_tokens": None, "prompt_tokens": None,
-           "finish_reason": None}
+           "finish_reason": None, "spec_finish": None, "done": False, "error_event": False, "keepalives": 0,
+           "hung_up": False}
     times = []
     start = clock()
     try:
@@ -65,32 +72,10 @@ async def one_request(client, url: str, model: str, row: dict, max_tokens: int, 
             if r.status_code != 200:
                 detail = (await r.aread()).decode("utf-8", "replace")[:300]
                 rec["error"] = f"HTTP {r.status_code}: {detail}"
+            elif body.get("stream"):
+                await _read_events(r, rec, times, chat, clock, hang_up)
             else:
-                done = False
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # keep-alive comments, blank separators
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        rec["error"] = f"stream error event: {json.dumps(obj['error'])[:300]}"
-                        break
-                    usage = obj.get("usage")
-                    if usage:
-                        rec["usage_tokens"] = usage.get("completion_tokens")
-                        rec["prompt_tokens"] = usage.get("prompt_tokens")
-                    for choice in obj.get("choices") or []:
-                        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                        if piece:
-                            times.append(clock())
-                            rec["text"] += piece
-                        if choice.get("finish_reason"):
-                            rec["finish_reason"] = choice["finish_reason"]
-                if not done and rec["error"] is None:
-                    rec["error"] = "the stream ended without [DONE]"
+                _read_answer(json.loads(await r.aread()), rec, chat)
     except Exception as e:  # noqa: BLE001 - a transport or protocol failure is a result here, not a crash
         rec["error"] = f"{type(e).__name__}: {e}"[:300]
     end = clock()
@@ -102,6 +87,62 @@ async def one_request(client, url: str, model: str, row: dict, max_tokens: int, 
     rec["tpot_s"] = (times[-1] - times[0]) / (rec["tokens"] - 1) if times and rec["tokens"] > 1 else None
     rec["start"], rec["end"] = start, end
     return rec
+
+
+async def _read_events(r, rec: dict, times: list, chat: bool, clock, hang_up) -> None:
+    """A 200 stream's events into `rec` (text, finish_reason, usage, the speculation's finish_reason, whether
+    [DONE] came), each text chunk's arrival into `times`; a stream without [DONE] or with an error event is an
+    error."""
+    if hang_up is not None and hang_up(rec):
+        rec["hung_up"] = True
+        return
+    async for line in r.aiter_lines():
+        if hang_up is not None and hang_up(rec):
+            rec["hung_up"] = True
+            return
+        if line.startswith(":"):
+            rec["keepalives"] += 1
+        if not line.startswith("data:"):
+            continue  # keep-alive comments, blank separators
+        data = line[5:].strip()
+        if data == "[DONE]":
+            rec["done"] = True
+            return
+        obj = json.loads(data)
+        if "error" in obj:
+            rec["error"] = f"stream error event: {json.dumps(obj['error'])[:300]}"
+            rec["error_event"] = True
+            return
+        _read_chunk(obj, rec, times, chat, clock)
+    if rec["error"] is None:
+        rec["error"] = "the stream ended without [DONE]"
+
+
+def _read_chunk(obj: dict, rec: dict, times: list, chat: bool, clock) -> None:
+    usage = obj.get("usage")
+    if usage:
+        rec["usage_tokens"] = usage.get("completion_tokens")
+        rec["prompt_tokens"] = usage.get("prompt_tokens")
+    if isinstance(obj.get("speculation"), dict) and obj["speculation"].get("finish_reason"):
+        rec["spec_finish"] = obj["speculation"]["finish_reason"]
+    for choice in obj.get("choices") or []:
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if piece:
+            times.append(clock())
+            rec["text"] += piece
+        if choice.get("finish_reason"):
+            rec["finish_reason"] = choice["finish_reason"]
+
+
+def _read_answer(obj: dict, rec: dict, chat: bool) -> None:
+    """A JSON (not streamed) answer into `rec`."""
+    usage = obj.get("usage") or {}
+    rec["usage_tokens"], rec["prompt_tokens"] = usage.get("completion_tokens"), usage.get("prompt_tokens")
+    rec["spec_finish"] = (obj.get("speculation") or {}).get("finish_reason")
+    choice = (obj.get("choices") or [{}])[0]
+    rec["text"] = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
+    rec["finish_reason"] = choice.get("finish_reason")
+    rec["done"] = True
 
 
 async def run_level_async(url: str, model: str, rows: list[dict], concurrency: int, max_tokens: int,

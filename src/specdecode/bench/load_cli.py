@@ -5,6 +5,7 @@ offline build of llama.cpp's own server).
     specdecode loadtest --server http://127.0.0.1:8000[,NAME=URL...] --prompts FILE... --concurrency 1,2,4,8
     specdecode loadtest --launch llama-server,llama-server-draft,specdecode --prompts FILE... [--target T --draft D]
     specdecode loadtest --build-llama-server
+    specdecode loadtest --soak MINUTES [--parallel P --concurrency C]   (bench/soak_run.py: load and faults)
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def add_parser(sub) -> None:
     t.add_argument("--llama-src", default=None, metavar="DIR", help="--build-llama-server: an unpacked "
                    "llama-cpp-python source package (default: pip download it)")
     t.add_argument("--jobs", type=int, default=2, help="--build-llama-server: parallel compile jobs (default 2)")
+    from .soak_run import add_soak_args
+    add_soak_args(t)
     t.add_argument("--out", default="loadtest-out", help="directory for loadtest.json, loadtest.md, loadtest.png, "
                                                         "logs/ (default loadtest-out)")
     t.set_defaults(serve_flags=flags)
@@ -121,6 +124,9 @@ def loadtest(args) -> int:
     if args.launch and importlib.util.find_spec("psutil") is None:  # the launched servers' memory (procmem)
         raise SpecDecodeError('`specdecode loadtest --launch` needs psutil, which is not installed: '
                               'pip install "specdecode[bench]" (from a checkout: pip install -e ".[bench]")')
+    if getattr(args, "soak", None) is not None:
+        from .soak_run import soak
+        return soak(args, _servers(args.server), _prompts(args) if args.prompts else None)
     servers, peers = _servers(args.server), _peers(args.launch)
     levels = _levels(args.concurrency)
     if args.max_tokens <= 0 or args.rounds <= 0 or (args.limit is not None and args.limit <= 0) or (

@@ -1,0 +1,173 @@
+"""`specdecode loadtest --soak`: the load and fault test in its short form against a launched `serve --parallel 2` on
+tiny GGUF models (loopback, under a minute of load, a SIGTERM and restart halfway), and the checker's criteria on
+hand-made records, each with a negative control (a stream without its terminal event, a 500, a lost request...)."""
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from specdecode.bench.load import one_request
+from specdecode.bench.soak import Traffic, honest_body, malformed_bodies, request_key
+from specdecode.bench.soak_check import check_greedy, error_code, judge, markdown, summary
+from specdecode.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from tinygguf import write_tiny_gguf
+    root = tmp_path_factory.mktemp("soak")
+    return write_tiny_gguf(root / "t.gguf", 0, hidden=128), write_tiny_gguf(root / "d.gguf", 1)
+
+
+def test_short_soak_against_a_launched_server(tiny_pair, tmp_path, monkeypatch, capsys):
+    """Every kind of request sent, the server restarted halfway, every criterion judged and passed. Greedy answers
+    may differ from alone at a near-tie of the top two logits, which these random models have often (measured: a
+    gap of 0.003 at a first token), hence the tolerance; the latency floor absorbs a shared 2-core machine."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    target, draft = tiny_pair
+    out = tmp_path / "soak"
+    code = main(["loadtest", "--soak", "0.4", "--target", str(target), "--draft", str(draft), "--parallel", "2",
+                 "--concurrency", "4", "--threads", "1", "--max-tokens", "16", "--soak-timeout", "8",
+                 "--soak-long-chars", "300", "--ours-args=--max-tokens 24", "--soak-greedy-tolerance", "0.1",
+                 "--soak-latency-floor-ms", "1500", "--soak-recheck", "60", "--ready-timeout", "120",
+                 "--out", str(out)])
+    report = json.loads((out / "soak.json").read_text())
+    criteria, summ = report["criteria"], report["summary"]
+    assert code == 0, (out / "soak.md").read_text()
+    assert all(c["pass"] for name, c in criteria.items() if name != "latency"), criteria
+    assert criteria["latency"]["pass"] in (True, None)  # judged where both runs had five streams or more
+    assert set(summ["by_kind"]) == {"honest", "disconnect", "deadline", "oversized", "malformed"}, summ["by_kind"]
+    assert summ["restart"]["exit_code"] is not None and summ["restart"]["down_s"] > 0
+    assert criteria["restart"]["during"] > 0 and criteria["greedy_alone"]["compared"] > 0
+    assert criteria["idle_memory"]["rss_before_mib"] > 50 and "kv_cells" in criteria["idle_memory"]
+    assert (out / "logs" / "serve-0.log").exists() and (out / "logs" / "serve-1.log").exists()
+    md = (out / "soak.md").read_text()
+    assert md.startswith("# Soak test: PASSED") and "| greedy_alone | pass |" in md
+    assert "Soak test: PASSED" in capsys.readouterr().out
+
+
+# -- the checker, on hand-made records ------------------------------------------------------------------------------
+def rec(i, kind="honest", status=200, **kw):
+    base = {"i": i, "kind": kind, "variant": kind, "status": status, "error": None, "text": "abc", "hung_up": False,
+            "done": True, "finish_reason": "length", "spec_finish": None, "stream": True, "error_event": False,
+            "refused": False, "generation": 0, "t_start": float(i), "t_end": i + 0.5, "ttft_s": 0.1,
+            "itl_s": [0.01] * 5, "e2e_s": 0.5}
+    return {**base, **kw}
+
+
+def soak_out(records, quiet=None, recheck=None, restart=None, idle=None):
+    cfg = {"drift": 0.05, "latency_factor": 2.0, "latency_floor_s": 0.0, "minutes": 1, "concurrency": 2}
+    quiet = quiet if quiet is not None else [rec(100 + i) for i in range(6)]
+    return {"config": cfg, "records": records, "quiet": quiet, "recheck": recheck or [], "restart": restart,
+            "idle": idle or {}, "server_metrics": [], "model": "m"}
+
+
+def failing(out) -> set[str]:
+    return {name for name, c in judge(out).items() if c["pass"] is False}
+
+
+def test_a_clean_run_passes_and_each_fault_fails_its_criterion():
+    clean = [rec(i) for i in range(6)]
+    assert failing(soak_out(clean)) == set()
+    cut = rec(7, error="the stream ended without [DONE]", done=False)
+    assert "terminal_events" in failing(soak_out(clean + [cut]))
+    no_finish = rec(8, finish_reason=None)  # [DONE] without a finish_reason chunk before it
+    assert "terminal_events" in failing(soak_out(clean + [no_finish]))
+    error_event = rec(9, error='stream error event: {"message": "bye", "code": "shutting_down"}', done=False,
+                      error_event=True, finish_reason=None)
+    assert failing(soak_out(clean + [error_event])) == set()  # an error event is a terminal event
+    crash = rec(10, status=500, error='HTTP 500: {"error": {"message": "internal server error", "code": "internal_error"}}')
+    busy = rec(11, status=503, error='HTTP 503: {"error": {"message": "busy", "code": "queue_full"}}')
+    assert error_code(busy) == "queue_full" and error_code(crash) == "internal_error"
+    assert failing(soak_out(clean + [busy])) == set()  # a documented 503
+    assert "no_5xx" in failing(soak_out(clean + [crash]))
+    assert "no_5xx" in failing(soak_out(clean + [rec(12, error='stream error event: {"code": "internal_error"}',
+                                                     error_event=True, done=False)]))
+    lost = rec(13, status=None, error="RemoteProtocolError: Server disconnected without sending a response.")
+    assert "no_silent_loss" in failing(soak_out(clean + [lost]))
+    accepted_malformed = rec(14, kind="malformed")
+    assert "refusals" in failing(soak_out(clean + [accepted_malformed]))
+    assert failing(soak_out(clean + [rec(15, kind="malformed", status=400, error="HTTP 400: {}")])) == set()
+
+
+def test_restart_window_refusals_and_losses():
+    restart = {"t_sigterm": 10.0, "t_exit": 10.5, "t_ready": 15.0, "exit_code": 0, "exit_s": 0.5, "down_s": 5.0}
+    refused = rec(12, status=None, error="ConnectError: [Errno 111] Connection refused", refused=True)
+    out = soak_out([rec(i) for i in range(5)] + [refused], restart=restart)
+    assert failing(out) == set() and judge(out)["restart"]["outcomes"] == {"refused": 1}
+    late_refusal = rec(30, status=None, error="ConnectError: refused", refused=True)  # the server should be up
+    assert "no_silent_loss" in failing(soak_out([late_refusal], restart=restart))
+    cut_at_restart = rec(11, error="ReadError: ", done=False, finish_reason=None)  # 200, then the stream broke
+    assert {"restart", "terminal_events"} <= failing(soak_out([cut_at_restart], restart=restart))
+    assert judge(soak_out([]))["restart"]["pass"] is None  # no restart: not judged
+
+
+def test_greedy_idle_and_latency_criteria():
+    body = {"model": "m", "prompt": "p", "temperature": 0.0}
+    key = request_key(body) + repr(None)
+    under_load = rec(1, body=body, text="hello world")
+    assert check_greedy([under_load], [{**rec(2), "key": key, "text": "hello world"}])["pass"] is True
+    differs = check_greedy([under_load], [{**rec(2), "key": key, "text": "hello there"}])
+    assert differs["pass"] is False and differs["cases"][0]["at_char"] == 6
+    assert check_greedy([under_load], [{**rec(2), "key": key, "text": "hello there"}], tolerance=1.0)["pass"] is True
+    assert check_greedy([under_load], [])["pass"] is None  # nothing compared: not judged
+    idle = {"before": {"rss_mib": 100.0, "gauges": {"specdecode_queue_depth": 0.0}},
+            "after": {"rss_mib": 104.0, "gauges": {"specdecode_queue_depth": 0.0}}}
+    assert failing(soak_out([rec(1)], idle=idle)) == set()
+    grown = {**idle, "after": {"rss_mib": 106.0, "gauges": {"specdecode_queue_depth": 0.0}}}
+    stuck = {**idle, "after": {"rss_mib": 100.0, "gauges": {"specdecode_queue_depth": 2.0}}}
+    assert "idle_memory" in failing(soak_out([rec(1)], idle=grown))
+    assert "idle_memory" in failing(soak_out([rec(1)], idle=stuck))
+    slow = [rec(i, ttft_s=0.5) for i in range(6)]  # quiet 0.1 s, soak 0.5 s: past 2x
+    assert "latency" in failing(soak_out(slow))
+    out = soak_out([rec(1), rec(2, status=500, error="HTTP 500: x")])
+    criteria = judge(out)
+    summ = summary(out, criteria)
+    assert summ["passed"] is False and summ["by_status"] == {"200": 1, "500": 1}
+    assert markdown(summ, criteria, out["config"]).startswith("# Soak test: FAILED")
+
+
+def fake_transport(events: list[str], status: int = 200):
+    async def handler(request):
+        async def stream():
+            for line in events:
+                yield (line + "\n\n").encode()
+        return httpx.Response(status, content=stream(), headers={"content-type": "text/event-stream"})
+    return httpx.MockTransport(handler)
+
+
+def test_the_client_sees_a_stream_without_its_terminal_event():
+    """Negative control through the client: a stream cut after a text chunk is an error and fails terminal_events;
+    the same stream with its finish_reason chunk and [DONE] passes."""
+    chunk = 'data: {"choices": [{"index": 0, "text": "x", "finish_reason": null}]}'
+    final = 'data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}'
+
+    async def send(events):
+        async with httpx.AsyncClient(transport=fake_transport(events)) as client:
+            body = {"model": "m", "prompt": "p", "stream": True}
+            got = await one_request(client, "http://fake", "m", {"id": "a"}, 0, body=body)
+            return {**rec(1), **got, "stream": True}
+    cut = asyncio.run(send([chunk]))
+    whole = asyncio.run(send([chunk, final, "data: [DONE]"]))
+    assert cut["error"] == "the stream ended without [DONE]" and not cut["done"]
+    assert whole["error"] is None and whole["done"] and whole["finish_reason"] == "stop"
+    assert "terminal_events" in failing(soak_out([cut])) and failing(soak_out([whole])) == set()
+
+
+def test_the_mix_covers_every_kind_of_request():
+    import random
+    rng = random.Random(0)
+    variants = {honest_body(rng, {"id": "x", "prompt": "p", "chat": False}, "m", 8, {})[0] for _ in range(300)}
+    for part in ("chat", "completions", "greedy", "sampled", "stream", "json", "stop", "max_tokens", "prediction"):
+        assert any(part in v.split("/") for v in variants), part
+    assert len(malformed_bodies("m")) >= 12
+
+    async def kinds():
+        async with httpx.AsyncClient(transport=fake_transport([], status=400)) as client:
+            traffic = Traffic(client, "http://fake", "m", seed=1, prompts=[{"id": "x", "prompt": "p"}], max_tokens=4,
+                              long_chars=50, too_long_chars=100, state={})
+            return [await traffic.next(kind) for kind in ("honest", "disconnect", "deadline", "oversized", "malformed")]
+    got = asyncio.run(kinds())
+    assert [r["kind"] for r in got] == ["honest", "disconnect", "deadline", "oversized", "malformed"]
+    assert all(r["i"] == n + 1 for n, r in enumerate(got))
