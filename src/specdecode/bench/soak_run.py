@@ -228,8 +228,9 @@ def add_soak_args(t) -> None:
                    help="--soak: the launched server's --timeout, the deadline of every request (default 60 s)")
     k.add_argument("--soak-restart-at", type=float, default=0.5,
                    help="--soak: when the SIGTERM comes, as a fraction of the soak (default 0.5; 0: none)")
-    k.add_argument("--soak-recheck", type=int, default=300,
-                   help="--soak: at most this many finished greedy requests sent again alone (default 300)")
+    k.add_argument("--soak-recheck", type=int, default=100,
+                   help="--soak: at most this many finished greedy requests sent again alone, one at a time "
+                        "(default 100: on the default pair on a CPU, about 10 minutes)")
     k.add_argument("--soak-long-chars", type=int, default=6000,
                    help="--soak: characters of the long prompts (disconnects during the prompt's read, deadlines)")
     k.add_argument("--soak-latency-floor-ms", type=float, default=50.0,
