@@ -604,3 +604,56 @@ def test_a_slots_share_of_tree_node_ids_leaves_a_copys_chain_its_depth(engine):
         assert d.max_nodes <= 7 and d.copy_depth == MAX_COPY_DEPTH and d.depth_cap == MAX_COPY_DEPTH
         d.limit(3, chains_only=True)
         assert d.max_nodes == d.copy_depth == 3
+
+
+def test_a_server_on_slots_checks_requests_against_what_a_slot_holds(engine):
+    """Each slot holds 256 cells less its tree-node ids (129 tokens) while the model's context is 512: a prompt or a
+    max_tokens past the slot's room is a 400 before anything runs, not a 200 that ends in an error or is cut short."""
+    import httpx
+    from helpers import LiveServer
+    from specdecode.server import create_app
+    slots = Slots(engine, 2, cells=2 * 256)
+    room = slots.engines[0].target.max_length
+    assert room < 200 < engine.target.max_length
+    live = LiveServer(create_app(engine, model_id="tiny", method="pld", slots=slots))
+    try:
+        with httpx.Client(base_url=live.url, timeout=60) as client:
+            def post(**body):
+                return client.post("/v1/completions", json={"model": "tiny", "temperature": 0, **body})
+            for stream in (False, True):
+                r = post(prompt="ab" * 100, max_tokens=4, stream=stream)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+                assert str(room) in r.json()["error"]["message"]
+                r = post(prompt="hello", max_tokens=room, stream=stream)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            r = post(prompt="hello", max_tokens=room - 5)  # what fits runs to the end asked for
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= room - 5
+    finally:
+        live.stop()
+
+
+def test_serve_ctx_size_is_each_slots_context_checked_against_memory(tmp_path, monkeypatch):
+    """`serve --parallel 2 --ctx-size 6000`: each slot holds 6,000 tokens (not 4,096), the server checks requests
+    against that, and a size whose cache would not fit in memory is refused before it is made."""
+    pytest.importorskip("llama_cpp")
+    from tinygguf import write_tiny_gguf
+    from specdecode.cli import main
+    from specdecode.server import app as app_module
+    target = write_tiny_gguf(tmp_path / "long.gguf", 0, ctx=8192)
+    apps = []
+
+    class Recorder:
+        def __init__(self, config):
+            apps.append(config.app)
+
+        def run(self):
+            pass
+    monkeypatch.setattr(app_module, "Server", Recorder)
+    args = ["serve", "--target", str(target), "--method", "pld", "--port", "0", "--parallel", "2"]
+    assert main(args + ["--ctx-size", "6000"]) == 0
+    service = apps[-1].state.service
+    assert service.context == 6000 and service.cap == 6000
+    assert main(args) == 0  # without --ctx-size: 4,096 cells a slot, less its tree-node ids
+    assert apps[-1].state.service.context == 4096 - (256 - 2) // 2
+    monkeypatch.setattr("specdecode.slots.memory_available", lambda: 1 << 20)
+    assert main(args + ["--ctx-size", "8000"]) != 0

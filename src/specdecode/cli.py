@@ -115,10 +115,11 @@ def _serve_parser(sub) -> None:
     s.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="the most tokens a request may generate, and the default (default: the context)")
     s.add_argument("--ctx-size", type=int, default=None, metavar="N",
-                   help="the most tokens of prompt and output a request may use (default: the model's context)")
+                   help="the most tokens of prompt and output a request may use (default: the model's context; "
+                        "with --parallel, each slot's, 4,096 cells less its tree room)")
     s.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="generations served at once (continuous batching, llama.cpp: their passes are shared; "
-                        "each gets --ctx-size tokens, default 4096, less its tree room); default 1")
+                        "each slot holds --ctx-size tokens, its cache checked against the memory available); default 1")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="with --parallel: tokens of a prompt per pass while other generations decode, up to 512 "
                         "(bigger: first tokens sooner, the others' steps wait longer; default 512, one call)")

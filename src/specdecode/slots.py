@@ -27,13 +27,16 @@ from .engine import Engine
 from .errors import SpecDecodeError
 from .machine import write_json
 from .planning.costs import CostModel
+from .routing import memory_available
 from .stats import Generation
 
 
 class Slots:
-    def __init__(self, engine: Engine, n: int, cells: int | None = None, prefill_chunk: int | None = None):
+    def __init__(self, engine: Engine, n: int, cells: int | None = None, prefill_chunk: int | None = None,
+                 context: int | None = None):
         """n slots sharing a context of `cells` KV entries (default: 4,096 per slot, within the model's context),
-        split evenly. The pass costs of `engine` (measured once per machine) are what each slot plans on, as
+        split evenly; or, given `context`, as many as hold that many tokens of prompt and output in each slot beside
+        its tree-node ids. A cache bigger than the memory available is refused before it is made. The pass costs of `engine` (measured once per machine) are what each slot plans on, as
         costs in company (InCompany)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise SpecDecodeError(f"the number of slots must be a positive integer, got {n!r}")
@@ -51,8 +54,10 @@ class Slots:
         self.engine, self.n = engine, n
         self.lockstep = Lockstep()
         costs = engine.tree_costs()
-        cells = cells or n * min(4096, engine.target.max_length)
+        cells = slot_cells(engine, n, cells, context)
         targets = make_slots(engine.target, n, cells, self.lockstep, None)
+        for t in targets if context is not None else ():  # llama.cpp may round the cells up
+            t.max_length = min(t.max_length, context)
         # what whole calls over several generations cost (measured once per machine and slot count, cached): how
         # waiting passes are cut into llama_decode calls, and what a slot's tokens add to a call (InCompany)
         self.calls = call_costs(targets[0]._shared, n, costs_path(engine.target, n), engine.progress)
@@ -112,6 +117,26 @@ class Slots:
         if errors:
             raise errors[0]
         return results
+
+
+def slot_cells(engine: Engine, n: int, cells: int | None, context: int | None) -> int:
+    """The cells of n slots' shared context (see Slots), checked against the memory available for their keys and values
+    (the target's and the draft's)."""
+    from .backends.batching import node_ids
+    if context is not None:
+        if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= engine.target.max_length:
+            raise SpecDecodeError(f"a slot's context must be 1..{engine.target.max_length} tokens (the model's), "
+                                  f"got {context!r}")
+        cells = n * (context + node_ids(n))
+    cells = cells or n * min(4096, engine.target.max_length)
+    lms = [engine.target] + ([engine.draft_model.lm] if engine.draft_model is not None else [])
+    need = sum(cells * lm.kv_cell_bytes() for lm in lms if hasattr(lm, "kv_cell_bytes"))
+    free = memory_available()
+    if free is not None and need > free:
+        raise SpecDecodeError(f"{n} slots of {cells // n} cache cells need {need / 2 ** 30:.1f} GiB for keys and "
+                              f"values, more than the {free / 2 ** 30:.1f} GiB available: fewer slots or a smaller "
+                              "context (--parallel, --ctx-size)")
+    return cells
 
 
 # tokens in one call over several generations (time_calls): every size to 16, where kernels change (on a Zen 4 over 8

@@ -155,13 +155,19 @@ class _Locked:
         return locked
 
 
+def node_ids(slots: int, exact: bool = False) -> int:
+    """Tree-node sequence ids each of `slots` slots holds: the context's MAX_SEQ ids less each slot's trunk (and in
+    exact mode its parking id), shared evenly."""
+    return (MAX_SEQ - slots * (2 if exact else 1)) // max(1, slots)
+
+
 class SharedContext:
     """One llama.cpp context on `lm`'s weights that `slots` slots share (see the module's doc)."""
 
     def __init__(self, lm: LlamaLM, slots: int, cells: int, lockstep: Lockstep, cost=None):
         lc = self._lc = lm._lc
         park = 1 if lm.exact else 0
-        per = (MAX_SEQ - slots * (1 + park)) // slots
+        per = node_ids(slots, lm.exact)
         if slots < 1 or per < 1:
             raise SpecDecodeError(f"a llama.cpp context holds {MAX_SEQ} sequences: at most {MAX_SEQ // (2 + park)} "
                                   f"slots, not {slots}")

@@ -172,6 +172,14 @@ class LlamaLM(LM):
         n = self._lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
+    def kv_cell_bytes(self) -> int:
+        """Bytes of keys and values one cache cell holds over every layer (F16, or F32 with f32_kv)."""
+        lc, m = self._lc, self._model
+        heads = max(1, int(lc.llama_model_n_head(m)))
+        per_head = int(lc.llama_model_n_embd(m)) // heads
+        size = 4 if self._cparams.type_k == lc.GGML_TYPE_F32 else 2
+        return int(lc.llama_model_n_layer(m)) * 2 * int(lc.llama_model_n_head_kv(m)) * per_head * size
+
     def describe(self) -> str:
         """What pass costs depend on: the file, the llama.cpp build, the threads."""
         st = self.path.stat()

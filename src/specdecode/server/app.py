@@ -267,7 +267,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     metrics = Metrics(model_id, method, gamma)
     worker = Worker(engine, max_queue, metrics, slots)
     service = Service(engine, worker, model_id=model_id, method=method, gamma=gamma, max_tokens_cap=cap,
-                      timeout_s=timeout_s, keepalive_s=keepalive_s, show_sources=show_sources)
+                      timeout_s=timeout_s, keepalive_s=keepalive_s, show_sources=show_sources, context=context)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -409,7 +409,7 @@ def serve(args) -> None:
     slots = None
     if args.parallel > 1:
         from ..slots import Slots
-        slots = Slots(engine, args.parallel, prefill_chunk=args.prefill_chunk)
+        slots = Slots(engine, args.parallel, prefill_chunk=args.prefill_chunk, context=args.ctx_size)
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
                      max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
                      show_sources=args.speculation_sources, slots=slots)

@@ -56,11 +56,12 @@ class Service:
     """What the routes do: one served model, its default speculation, the worker."""
 
     def __init__(self, engine, worker: Worker, *, model_id: str, method: str, gamma: int, max_tokens_cap: int,
-                 timeout_s: float, keepalive_s: float, show_sources: bool = False):
+                 timeout_s: float, keepalive_s: float, show_sources: bool = False, context: int | None = None):
         self.engine, self.worker, self.model_id = engine, worker, model_id
         self.method, self.gamma, self.cap = method, gamma, max_tokens_cap
         self.timeout_s, self.keepalive_s = timeout_s, keepalive_s
-        self.context = engine.target.max_length
+        # the tokens of prompt and output a request may use: where batch slots run them, what one slot holds
+        self.context = engine.target.max_length if context is None else context
         self.created = int(time.time())
         self.token_chars = _longest_token(engine)  # no token covers more characters (None: unknown)
         self.show_sources = show_sources  # per-source draft counts in responses (they tell of other outputs)
