@@ -90,6 +90,24 @@ def test_alignment_of_the_prompt_waits_for_a_match_and_ignores_the_prompt_itself
     assert g.tokens == [10, 11, 12] and g.source == "context"
 
 
+def test_a_rename_is_learned_once_and_expected_again():
+    N = 99
+    ref = [1, 2, 3, N, 4, 5, 6, 7, N, 8, 9, 10, 11, N, 12, 13, 14, 15, N, 16]
+    out = [x for t in ref for x in ((50, 51) if t == N else (t,))]  # every N renamed to the two tokens 50 51
+    a = Alignment(ref, "prediction", 0, True)
+    for i in range(1, len(out) + 1):
+        a.follow(out[:i])
+    assert a.breaks == 1  # only the first occurrence breaks the copy: later ones are expected renamed
+    b = Alignment(ref, "prediction", 0, True)
+    b.follow(out[:9])  # past the first rename, realigned on "4 5 6", and 7
+    assert b.guess(out[:9], 6).tokens == [50, 51, 8, 9, 10, 11]
+    # where the output keeps the original span, the copy goes on without a break
+    kept = out[:9] + [N, 8, 9]
+    c = Alignment(ref, "prediction", 0, True)
+    c.follow(kept)
+    assert c.breaks == 1 and c.pos == 11
+
+
 def test_a_long_run_is_worth_more_than_a_fresh_one_and_breaks_cost_trust():
     ref = list(range(300))
     long = follow(ref, ref[:100]).guess(ref[:100], 32)

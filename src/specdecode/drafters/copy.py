@@ -6,7 +6,9 @@ prompt. `Alignment` keeps the position in that reference text where the output n
 goes on as the reference does, it proposes the reference's next tokens. At an edit point (the target emitted
 something else) the alignment is lost; it re-synchronises as soon as the output's last tokens occur again in
 the reference (the occurrence with the longest common run, the nearest one ahead of the last position among
-equals), so the copy resumes right after an inserted, deleted or changed span.
+equals), so the copy resumes right after an inserted, deleted or changed span. A span the output wrote in place
+of a span of the reference is remembered, and expected again where that span comes back (a rename: every later
+occurrence of the old name is guessed as the new one; where the output keeps the original, the copy goes on).
 
 The value of a guess comes from the run of successes it continues: after r tokens copied in a row, the next
 is taken with probability (r + 1) / (r + 2) (Laplace's rule of succession), at most the rate at which this
@@ -22,6 +24,7 @@ SYNC_MIN = 3  # output tokens that must match the reference to (re)align on it
 SYNC_RUN_MAX = 64  # how far back a candidate alignment's common run is measured
 SYNC_CANDIDATES = 64  # occurrences of the last SYNC_MIN tokens compared per re-synchronisation, nearest first
 BREAK_PRIOR = 8.0  # copied tokens a reference is credited with before its first break
+EDIT_MAX = 16  # the longest span a remembered substitution replaces or writes (a rename, a changed argument)
 
 
 @dataclass
@@ -47,6 +50,11 @@ class Alignment:
         self.seen = 0  # output tokens already followed
         self.copied = 0  # output tokens that went on as the reference did, while aligned
         self.breaks = 0  # times the output left the reference while aligned
+        self._broke: tuple[int, int] | None = None  # (output index, reference position) of the last break
+        self._edits: dict[tuple, tuple] = {}  # substitutions the output made: reference span -> what it wrote
+        self._by_first: dict[int, list[tuple]] = {}  # their reference spans by first token, longest first
+        self.pending: list[int] = []  # the rest of a substitution the output is expected to write now
+        self._pending_end = 0  # where the reference goes on after it
         self._index: dict[tuple, list[int]] = {}  # SYNC_MIN-gram -> positions just after its occurrences, ascending
         ref = self.reference
         for end in range(SYNC_MIN, len(ref) + 1):
@@ -59,16 +67,75 @@ class Alignment:
         for i in range(self.seen, len(out)):
             x = out[i]
             if self.pos is not None:
-                if self.pos < len(ref) and ref[self.pos] == x:
-                    self.pos += 1
-                    self.run += 1
-                    self.copied += 1
+                expected = self._expected(1)
+                if expected and expected[0] == x:
+                    self._advance()
+                    continue
+                if self.pending and self.pos < len(ref) and ref[self.pos] == x:  # the original kept here
+                    self.pending = []
+                    self._advance()
                     continue
                 self.breaks += 1
-                self.last, self.pos, self.run = self.pos, None, 0
+                self._broke = (i, self.pos)
+                self.last, self.pos, self.run, self.pending = self.pos, None, 0, []
             if i + 1 >= SYNC_MIN:
                 self._sync(out, i + 1)
         self.seen = len(out)
+
+    def _advance(self) -> None:
+        """The output went on as expected: one token further in the pending substitution or the reference."""
+        if self.pending:
+            self.pending.pop(0)
+            if not self.pending:
+                self.pos = self._pending_end
+        else:
+            self.pos += 1
+        self.run += 1
+        self.copied += 1
+
+    def _expected(self, n: int) -> list[int]:
+        """The next n tokens the output should write if it goes on as before: the reference, with every edit it
+        made once (a substitution, such as a rename) made again where the same span comes back."""
+        ref, pos = self.reference, self.pos
+        if not self.pending and self._edits:
+            self._start_edit()
+        out, pos = list(self.pending[:n]), self._pending_end if self.pending else pos
+        while len(out) < n and pos < len(ref):
+            key = self._edit_at(pos)
+            if key is None:
+                out.append(ref[pos])
+                pos += 1
+            else:
+                out += self._edits[key]
+                pos += len(key)
+        return out[:n]
+
+    def _start_edit(self) -> None:
+        key = self._edit_at(self.pos)
+        if key is not None:
+            self.pending, self._pending_end = list(self._edits[key]), self.pos + len(key)
+
+    def _edit_at(self, pos: int) -> tuple | None:
+        """The longest learned substitution whose original span starts at reference[pos] (None: none)."""
+        ref = self.reference
+        for key in self._by_first.get(ref[pos], ()) if pos < len(ref) else ():
+            if tuple(ref[pos:pos + len(key)]) == key:
+                return key
+        return None
+
+    def _learn(self, out: list[int], n: int) -> None:
+        """After a re-synchronisation: the span the output wrote in place of a span of the reference (between the
+        break and the common run that realigned it) is remembered as a substitution to expect again."""
+        if self._broke is None:
+            return
+        (out_at, ref_at), self._broke = self._broke, None
+        out_end, ref_end = n - self.run, self.pos - self.run
+        if out_at <= out_end and ref_at < ref_end and 0 < out_end - out_at <= EDIT_MAX and ref_end - ref_at <= EDIT_MAX:
+            key = tuple(self.reference[ref_at:ref_end])
+            if key not in self._edits:
+                self._by_first.setdefault(key[0], []).append(key)
+                self._by_first[key[0]].sort(key=len, reverse=True)
+            self._edits[key] = tuple(out[out_at:out_end])
 
     def _sync(self, out: list[int], n: int) -> None:
         """Re-align after out[:n] on the occurrence of its last tokens with the longest common run."""
@@ -88,13 +155,14 @@ class Alignment:
                 best_end, best_run = end, run
         if best_end is not None and best_end < len(ref):
             self.pos, self.run = best_end, best_run
+            self._learn(out, n)
 
     def guess(self, ids: list[int], depth: int) -> CopyGuess | None:
         """The reference's next tokens (at most depth) with their values; None where it is not aligned."""
         self.follow(ids)
-        if self.pos is None or depth <= 0 or self.pos >= len(self.reference):
+        if self.pos is None or depth <= 0 or (self.pos >= len(self.reference) and not self.pending):
             return None
-        tokens = self.reference[self.pos:self.pos + depth]
+        tokens = self._expected(depth)
         # the reference's own record: breaks per copied token, from a prior of BREAK_PRIOR clean tokens
         trust = (self.copied + BREAK_PRIOR) / (self.copied + self.breaks + BREAK_PRIOR)
         values, v = [], 1.0
