@@ -271,3 +271,31 @@ def _wait(cond, timeout=30.0) -> bool:
             return False
         time.sleep(0.002)
     return True
+
+
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+def test_a_long_prompts_read_stops_between_its_passes_when_interrupted(backend, tmp_path):
+    """The server's cancellation and deadline (the stream's interrupt) are asked between the prompt's passes too:
+    a client gone during a long prompt's read frees the worker after one pass, not after the whole prompt."""
+    from tiny import byte_tokenizer, tiny_model
+    from specdecode import Engine
+    tok = byte_tokenizer()
+    if backend == "torch":
+        target = tiny_model(0, max_pos=4096)
+    else:
+        pytest.importorskip("llama_cpp")
+        from tinygguf import write_tiny_gguf
+        from specdecode.backends.llamacpp import LlamaLM
+        target = LlamaLM(write_tiny_gguf(tmp_path / "t.gguf", 0, ctx=4096), threads=1)
+    engine = Engine(target, tok)
+    prompt = "the quick brown fox jumps over the lazy dog; " * 40  # 1,800 tokens: 4 passes of 512
+    asked = []
+    for method in ("autoregressive", "pld"):
+        stream = engine.stream(prompt, method=method, max_new_tokens=8)
+        stream.interrupt = lambda: asked.append(len(engine.target)) or True  # the client is gone at once
+        assert list(stream) == [] and stream.result.text == "" and stream.stats.new_tokens == 0
+        assert asked and asked[-1] <= 512 and len(engine.target) <= 512  # one pass read, the rest never
+    # negative control: nothing asked to stop, the prompt is read whole and the output is the one alone
+    full = engine.stream(prompt, method="autoregressive", max_new_tokens=8)
+    full.interrupt = lambda: False
+    assert "".join(full) == engine.generate(prompt, method="autoregressive", max_new_tokens=8).text

@@ -1152,3 +1152,28 @@ def test_per_source_counts_in_responses_when_the_operator_asks():
         assert "sources" in r.json()["speculation"]
     finally:
         srv.stop()
+
+
+def test_a_started_stream_that_is_silent_gets_keepalives():
+    """A job that the worker runs but that sends nothing for a while (a long prompt being read) keeps its stream
+    alive with comments, as a queued one does; then its text follows."""
+    ctl = ControlledEngine(make_engine())
+    srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, keepalive_s=0.2))
+    try:
+        ctl.gate.clear()  # the job starts, then stays silent at the gate
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=5) as r:
+            lines = r.iter_lines()
+            comments = 0
+            for line in lines:
+                if line == ": keep-alive":
+                    assert srv.worker.busy and srv.worker.queued == 0
+                    comments += 1
+                    if comments == 3:
+                        break
+            ctl.gate.set()
+            rest = [line for line in lines if line and line != ": keep-alive"]
+        assert rest[-1] == "data: [DONE]" and len(rest) > 2
+    finally:
+        ctl.gate.set()
+        srv.stop()

@@ -19,7 +19,7 @@ from .stats import Generation, Stats
 from .textstream import TextStream
 from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
 from .loop import speculative_decode
-from .prefill import owned
+from .prefill import Interrupt, owned
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
@@ -242,10 +242,7 @@ class Engine:
                                self.history if history is None else history, tuple(prompt_ids),
                                self.encode_prediction(prediction))
         drafter = m.make_drafter(self, request)
-        # a stop string that is a special token never shows in the decoded text: stop on its id
-        with tokenizer_lock(self.tokenizer):
-            added = self.tokenizer.get_added_vocab()
-        stop_ids = {added[s] for s in ([stop] if isinstance(stop, str) else stop or []) if s in added}
+        stop_ids = self._stop_ids(stop)
         generator = torch.Generator()
         if seed is None:
             generator.seed()  # nondeterministic, and leaves torch's global RNG alone
@@ -253,18 +250,26 @@ class Engine:
             generator.manual_seed(seed)
         stats, depth_cap = self._stats(m, drafter, request, len(prompt_ids), limits)
         scope = cache_scope if self.prompt_cache and limits is None else None  # exact: plain decoding's own prefill
+        interrupt = Interrupt()  # the stream's interrupt, asked while the prompt is read too
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
-                                   generator=generator, stats=stats, exact=limits, scope=scope)
+                                   generator=generator, stats=stats, exact=limits, scope=scope, interrupt=interrupt)
         if scope is not None:
             steps = owned(self.target, steps)
         if limits is not None and limits.pad_rows > 1:  # exact mode's plain steps too run as padded passes
             steps = padded(self.target, limits.pad_rows, steps)
         if request.history is not None:
             steps = self._remember(request.history, steps)
-        out = TextStream(self, self.lease.steps(steps), stats, [stop] if isinstance(stop, str) else list(stop or []))
+        out = TextStream(self, self.lease.steps(steps), stats, [stop] if isinstance(stop, str) else list(stop or []),
+                         interrupt)
         out.prompt_ids, out.cache_scope = prompt_ids, scope  # where a server runs it: a slot that holds its start
         return out
+
+    def _stop_ids(self, stop) -> set[int]:
+        """A stop string that is a special token never shows in the decoded text: the ids to stop on."""
+        with tokenizer_lock(self.tokenizer):
+            added = self.tokenizer.get_added_vocab()
+        return {added[s] for s in ([stop] if isinstance(stop, str) else stop or []) if s in added}
 
     def _stats(self, m, drafter, request: DraftRequest, prompt_tokens: int, limits: ExactLimits | None):
         """A generation's Stats as its method describes it, and the depth one step may draft (a chain's length; a

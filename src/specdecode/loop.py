@@ -14,7 +14,7 @@ import torch
 from .backends import LM
 from .drafters import Draft, Drafter
 from .exactness import ExactLimits
-from .prefill import prefill
+from .prefill import Interrupt, prefill
 from .sampling import SamplingParams
 from .stats import Stats
 from .verify import verdict
@@ -22,12 +22,14 @@ from .verify import verdict
 
 def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
                        max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None,
-                       stats: Stats, exact: ExactLimits | None = None, scope: str | None = None) -> Iterator[list[int]]:
+                       stats: Stats, exact: ExactLimits | None = None, scope: str | None = None,
+                       interrupt: Interrupt | None = None) -> Iterator[list[int]]:
     """Yield newly committed token ids, step by step. stats is filled in as it goes. gamma: the most
     tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
     still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are
-    bit-identical to plain decoding's (exactness.py)."""
-    ids, head = prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy, scope)
+    bit-identical to plain decoding's (exactness.py). interrupt: asked between the prompt's passes (prefill)."""
+    ids, head = prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy, scope,
+                        interrupt, exact=exact is not None)
     emitted = len(head)
     if head:
         stats.record(Draft([], None), 0, 1)

@@ -7,20 +7,34 @@ import time
 
 from .backends import LM
 from .drafters import Drafter
-from .errors import SpecDecodeError
+from .errors import Interrupted, SpecDecodeError
 from .sampling import argmax
 from .stats import Stats
 
 RESERVE_AHEAD = 1024  # output tokens a generation's cache is sized for up front (most answers are shorter)
+PREFILL_CHUNK = 512  # tokens per pass of a prompt read on torch where it may be interrupted (llama.cpp: its n_batch)
+
+
+class Interrupt:
+    """Whether a generation must end now: `check` (set through its TextStream by a server: the client gone, the
+    deadline passed), asked between the passes of the prompt's read too."""
+
+    def __init__(self):
+        self.check = None
+
+    def __call__(self) -> bool:
+        return self.check is not None and bool(self.check())
 
 
 def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_tokens: int, stats: Stats,
-            whole: bool, scope: str | None = None) -> tuple[list[int], list[int]]:
+            whole: bool, scope: str | None = None, interrupt: Interrupt | None = None,
+            exact: bool = False) -> tuple[list[int], list[int]]:
     """Both caches emptied, then given the prompt but its last token (it goes into the first target pass). With
     `whole` (greedy) the target reads it all: (ids, head), head the argmax of its last row, as llama-cpp-python's
     and HF's generation get it (ours then shares every rounding of the prompt with theirs); else head = [].
     scope: where not None, the target keeps what it holds of the prompt's start if the last generation on it had
-    the same scope (LM.keep_prefix); the draft reads the text anew (lazily, where its drafter does)."""
+    the same scope (LM.keep_prefix); the draft reads the text anew (lazily, where its drafter does). interrupt: asked
+    between the prompt's passes (exact mode: those plain decoding reads in); Interrupted when it says to stop."""
     if len(prompt_ids) >= target.max_length:
         raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
                               f"{target.max_length}, so no token can be generated")
@@ -37,15 +51,35 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     ids, head, t = list(prompt_ids), [], time.perf_counter()
     with target.feeding():
         if whole:
-            head = [argmax(target.forward(ids[keep:], last_only=True)[-1])]
+            head = [argmax(_read(target, ids[keep:], interrupt, exact)[-1])]
             ids += head
         elif len(ids) - 1 > keep:
-            target.forward(ids[keep:-1], last_only=True)
+            _read(target, ids[keep:-1], interrupt, exact)
+    if interrupt is not None and interrupt():
+        raise Interrupted
     if drafter is not None and len(ids) > 1:
         drafter.prefill(ids[:-1])
     target.owner = scope
     stats.prefill_s += time.perf_counter() - t
     return ids, head
+
+
+def _read(target: LM, ids: list[int], interrupt: Interrupt | None, exact: bool):
+    """ids into the target's cache; logits [1, V] after the last. Where an interrupt may be asked, in the passes the
+    target reads in anyway (llama.cpp: feed_step, n_batch; torch: PREFILL_CHUNK, but one call in exact mode, as
+    plain decoding reads), asking it between them."""
+    step = getattr(target, "feed_step", None)
+    if interrupt is None or interrupt.check is None or (step is None and exact):
+        return target.forward(ids, last_only=True)
+    a = 0
+    while True:
+        n = step(len(ids) - a) if step is not None else min(len(ids) - a, PREFILL_CHUNK)
+        logits = target.forward(ids[a:a + n], last_only=True)
+        a += n
+        if a >= len(ids):
+            return logits
+        if interrupt():
+            raise Interrupted
 
 
 def owned(target: LM, steps):

@@ -5,6 +5,8 @@ import os
 import time
 from typing import Callable, Iterator
 
+from .errors import Interrupted
+from .prefill import Interrupt
 from .stats import Generation, Stats
 
 TAIL_TOKENS = 3  # a character still missing bytes has at most 3: made by at most the last 3 tokens
@@ -29,13 +31,22 @@ class TextStream:
     once: a tail that could start one is never sent, so none can begin in text sent earlier.
     """
 
-    def __init__(self, engine, steps: Iterator[list[int]], stats: Stats, stops: list[str]):
-        """engine: what decodes ids to text (engine.decode); steps: the loop's committed ids, step by step."""
+    def __init__(self, engine, steps: Iterator[list[int]], stats: Stats, stops: list[str], interrupt=None):
+        """engine: what decodes ids to text (engine.decode); steps: the loop's committed ids, step by step;
+        interrupt: the prefill.Interrupt those steps ask between the prompt's passes (they raise Interrupted)."""
         self.engine, self.steps, self.stats, self.stops = engine, steps, stats, stops
         self.result: Generation | None = None
-        # checked after every step, whether or not it emitted text: True ends the generation there (the
-        # server's cancellation and deadline); what was sent is then the result's text
-        self.interrupt: Callable[[], bool] | None = None
+        self._interrupt = interrupt if interrupt is not None else Interrupt()
+
+    @property
+    def interrupt(self) -> Callable[[], bool] | None:
+        """Checked after every step, whether or not it emitted text, and between the prompt's passes: True ends the
+        generation there (the server's cancellation and deadline); what was sent is then the result's text."""
+        return self._interrupt.check
+
+    @interrupt.setter
+    def interrupt(self, check: Callable[[], bool] | None) -> None:
+        self._interrupt.check = check
 
     def __iter__(self) -> Iterator[str]:
         decode, stats = self.engine.decode, self.stats
@@ -88,6 +99,8 @@ class TextStream:
                 if self.interrupt is not None and self.interrupt():
                     interrupted = True
                     break
+        except Interrupted:  # while the prompt was read
+            interrupted = True
         finally:
             self.steps.close()  # frees the loop if the consumer stops early
             stats.wall_s = time.perf_counter() - t0

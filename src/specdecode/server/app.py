@@ -32,7 +32,7 @@ from .service import Service, error_response, json_response
 log = logging.getLogger("specdecode.server")
 
 MAX_BODY_BYTES = 8 << 20  # request bodies beyond this get a 413 before they are read
-KEEPALIVE_S = 10.0  # seconds between ": keep-alive" comments while a streamed request waits in the queue
+KEEPALIVE_S = 10.0  # seconds between ": keep-alive" comments while a streamed request is silent (queued, reading)
 # at shutdown, the longest uvicorn waits for open connections once the worker has stopped every generation (a
 # client that reads its stream slowly, or not at all, would otherwise hold the shutdown without end)
 GRACEFUL_SHUTDOWN_S = 10
@@ -255,7 +255,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     required as `Authorization: Bearer <key>` on /v1/* when set. max_queue: requests that may wait while one
     generates (more get 503). timeout_s: the longest a request may take, waiting included. max_tokens_cap: the
     largest max_tokens accepted (default and upper bound: the model's context). keepalive_s: seconds between
-    keep-alive comments on a stream that waits in the queue. max_body_bytes: larger request bodies get a 413.
+    keep-alive comments on a silent stream (queued, or reading its prompt). max_body_bytes: larger request bodies get a 413.
     show_sources: responses carry per-source draft counts (`speculation.sources`; off: with an output history they
     tell a client about other outputs). An engine with a history keeps one per API key (Service._history).
     slots: a slots.Slots on `engine`: its generations run at once, one per slot, sharing their passes (requests

@@ -7,7 +7,7 @@ each piece of text, then ("end", End) or ("error", APIError). Worker.events read
 here knows about HTTP.
 
 Cancellation: a waiting job is taken out of the queue; a running one stops at its next step (the stream's `interrupt`,
-checked after every step whether or not it emitted text). A client that goes away is noticed within POLL_S, while its
+checked after every step whether or not it emitted text, and between the passes of the prompt's read). A client that goes away is noticed within POLL_S, while its
 events flow too. Deadlines: a job still waiting at its deadline gets a 503 (Worker.events); a running job that passes
 it ends at its next step with finish_reason "length" ("timeout" in its speculation stats).
 """
@@ -210,7 +210,8 @@ class Worker:
         """The job's events up to and including its end or error. While none comes it checks, every POLL_S,
         whether the client went away (`disconnected`: then the job is cancelled and Disconnected raised) and
         whether the job is still queued at its deadline (then it is withdrawn and a 503 is the last event);
-        with keepalive_s, ("wait", None) comes every keepalive_s seconds while the job waits in the queue."""
+        with keepalive_s, ("wait", None) comes every keepalive_s seconds without an event: while the job waits in the
+        queue, and while it runs silent (a long prompt being read)."""
         quiet_since = checked = time.monotonic()
         while True:
             try:  # the queue's own get under a timeout scope: no task per event, as wait_for makes on 3.11
@@ -231,10 +232,11 @@ class Worker:
                     self.metrics.generations.labels(finish_reason="timeout").inc()
                     yield ("error", self.queue_timeout())
                     return
-                if keepalive_s is not None and not job.started and now - quiet_since >= keepalive_s:
+                if keepalive_s is not None and now - quiet_since >= keepalive_s:
                     quiet_since = now
                     yield ("wait", None)
                 continue
+            quiet_since = time.monotonic()
             yield event
             if event[0] != "delta":
                 return

@@ -2,7 +2,7 @@
 (the Engine's SpecDecodeError becomes a 400 with its message) and checking the prompt against the context;
 the stream is queued as a Job (a full queue is a 503 with Retry-After); then the job's events become one
 JSON body, or server-sent events whose headers go out at once (with ": keep-alive" comments while the job
-waits in the queue).
+is silent: queued, or reading its prompt).
 """
 # No `from __future__ import annotations`, as in app.py: pydantic and FastAPI read the annotations.
 import hashlib
@@ -214,7 +214,8 @@ class Service:
             speculation=self._speculation(end.speculation))
 
     async def events(self, job: Job, body, endpoint: str):
-        """The job as server-sent events: keep-alive comments while it waits, a chunk per delta, the last chunk
+        """The job as server-sent events: keep-alive comments while it is silent (queued, or reading its prompt), a
+        chunk per delta, the last chunk
         with finish_reason, usage and speculation, then `data: [DONE]`."""
         chat = endpoint == "chat"
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
