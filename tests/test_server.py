@@ -1177,3 +1177,43 @@ def test_a_started_stream_that_is_silent_gets_keepalives():
     finally:
         ctl.gate.set()
         srv.stop()
+
+
+@pytest.mark.parametrize("own_tokenizer", [True, False])
+def test_a_running_stream_is_not_stalled_by_big_requests_being_tokenized(own_tokenizer, monkeypatch):
+    """Requests are tokenized on a tokenizer copy of their own (a few at a time), so the running stream's per-step
+    decoding never waits for them: its gaps stay well under one big body's tokenization. Negative control: on the
+    engine's one tokenizer (own_tokenizer False) a gap lasts about a whole tokenization."""
+    if not own_tokenizer:
+        monkeypatch.setattr(Engine, "separate_encoder", lambda self: None)
+    ctl = ControlledEngine(make_engine(), delay=0.02)
+    srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
+    srv.app.state.service.token_chars = None  # no character pre-check: the bodies are tokenized, then refused
+    big = "hello world " * 100_000  # 1.2 MB
+    t0 = time.perf_counter()
+    ctl._engine.encoder(big)
+    tokenize_s = time.perf_counter() - t0
+    try:
+        arrivals, results = [], {}
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
+            threads = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+                if len(arrivals) == 5 and not threads:
+                    threads = [_post_in_thread(f"{srv.url}/v1/completions", {"model": MODEL, "prompt": big,
+                                                                             "max_tokens": 4}, results, k)
+                               for k in range(3)]
+                if threads and not any(t.is_alive() for t in threads):
+                    break
+        for t in threads:
+            t.join(120)
+        assert all(results[k].status_code == 400 for k in range(3))  # tokenized, then refused: past the context
+        gap = max(b - a for a, b in zip(arrivals[4:], arrivals[5:]))
+        if own_tokenizer:
+            assert gap < tokenize_s / 2, (gap, tokenize_s)
+        else:
+            assert gap > tokenize_s / 2, (gap, tokenize_s)
+    finally:
+        srv.stop()

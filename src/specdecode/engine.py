@@ -2,6 +2,7 @@
 draft -> verify -> accept -> roll back) with the drafter each method builds (methods.py)."""
 from __future__ import annotations
 
+import copy
 from typing import Iterator
 
 import torch
@@ -46,6 +47,7 @@ class Engine:
                  history_tokens: int = 0, datastore: str | None = None, draft_window: int | None = DRAFT_WINDOW,
                  exact: bool = False, prompt_cache: bool = False):
         self.tokenizer = tokenizer
+        self.encoder = tokenizer  # what requests' text is encoded with (separate_encoder: a copy of its own)
         self.exact = bool(exact)  # the default of stream()/generate()'s exact
         self.prompt_cache = bool(prompt_cache)  # a prompt reads only what the last one's cached text lacks (prefill)
         self.target = as_lm(target_model)  # an HF model (wrapped as a CachedLM) or an LM such as a LlamaLM
@@ -66,6 +68,15 @@ class Engine:
         self.datastore = None
         if datastore is not None:
             self.use_datastore(datastore)
+
+    def separate_encoder(self) -> None:
+        """Encode requests on a copy of the tokenizer from now on: each copy has its own lock (lease.tokenizer_lock), so
+        a server's handlers encoding big requests never hold up the generation that decodes on the engine's own."""
+        if self.encoder is self.tokenizer:
+            try:
+                self.encoder = copy.deepcopy(self.tokenizer)
+            except Exception:  # noqa: BLE001 (a tokenizer that cannot be copied: shared, under its one lock)
+                self.encoder = self.tokenizer
 
     def use_datastore(self, path: str | None) -> None:
         """Draft from this datastore from now on (None: from none); it must share the tokenizer."""
@@ -169,23 +180,23 @@ class Engine:
                 raise SpecDecodeError("chat messages must be a non-empty list of {'role': ..., 'content': str}")
             if not any(m["content"].strip() for m in messages):
                 raise SpecDecodeError("the prompt is empty")
-            if getattr(self.tokenizer, "chat_template", None) is None:
+            if getattr(self.encoder, "chat_template", None) is None:
                 raise SpecDecodeError("this tokenizer has no chat template; pass a plain prompt instead")
-            with tokenizer_lock(self.tokenizer):
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            with tokenizer_lock(self.encoder):
+                text = self.encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         else:
             text = prompt
         if not text:
             raise SpecDecodeError("the prompt is empty")
         # a chat template writes its own special tokens; a raw prompt gets the model's (e.g. BOS)
-        with tokenizer_lock(self.tokenizer):
-            ids = self.tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        with tokenizer_lock(self.encoder):
+            ids = self.encoder(text, add_special_tokens=not chat)["input_ids"]
         if not ids:
             raise SpecDecodeError("the prompt is empty after tokenization")
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:
-        with tokenizer_lock(self.tokenizer):  # the server's worker decodes while its handlers encode
+        with tokenizer_lock(self.tokenizer):  # a server's handlers encode on their own copy (separate_encoder)
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def encode_prediction(self, prediction: str | None) -> tuple | None:
@@ -196,8 +207,8 @@ class Engine:
             raise SpecDecodeError(f"prediction must be a string, got {type(prediction).__name__}")
         if not prediction:
             return None
-        with tokenizer_lock(self.tokenizer):
-            return tuple(self.tokenizer(prediction, add_special_tokens=False)["input_ids"])
+        with tokenizer_lock(self.encoder):
+            return tuple(self.encoder(prediction, add_special_tokens=False)["input_ids"])
 
     def generate(self, prompt: str | list[dict], **kwargs) -> Generation:
         stream = self.stream(prompt, **kwargs)
@@ -267,8 +278,8 @@ class Engine:
 
     def _stop_ids(self, stop) -> set[int]:
         """A stop string that is a special token never shows in the decoded text: the ids to stop on."""
-        with tokenizer_lock(self.tokenizer):
-            added = self.tokenizer.get_added_vocab()
+        with tokenizer_lock(self.encoder):
+            added = self.encoder.get_added_vocab()
         return {added[s] for s in ([stop] if isinstance(stop, str) else stop or []) if s in added}
 
     def _stats(self, m, drafter, request: DraftRequest, prompt_tokens: int, limits: ExactLimits | None):

@@ -155,6 +155,10 @@ class Router:
             return next(iter(self.engines))
         return min(self.engines, key=lambda n: self.predict_s(n, prompt_tokens, new_tokens, alpha))
 
+    def separate_encoder(self) -> None:
+        for engine in self.engines.values():
+            engine.separate_encoder()
+
     def stream(self, prompt, **kwargs):
         method = kwargs.get("method", "auto")
         pinned = kwargs.get("exact") or (kwargs.get("exact") is None and self.primary.exact) or method not in ROUTED

@@ -27,6 +27,7 @@ log = logging.getLogger("specdecode.server")
 
 MAX_HISTORY_SCOPES = 16  # API keys whose output histories are kept, the least recently used dropped first
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+REQUEST_TOKENIZERS = 2  # requests tokenized at once (handler threads): more wait, leaving the worker its cores
 
 
 def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -64,6 +65,11 @@ class Service:
         self.context = engine.target.max_length if context is None else context
         self.created = int(time.time())
         self.token_chars = _longest_token(engine)  # no token covers more characters (None: unknown)
+        self.normalized = _normalizes(engine)  # its normalizer may change the text's length: a looser pre-check
+        separate = getattr(engine, "separate_encoder", None)
+        if separate is not None:  # requests are encoded on a tokenizer of their own: the worker never waits for them
+            separate()
+        self._tokenizing: anyio.CapacityLimiter | None = None  # at most REQUEST_TOKENIZERS requests at once (open)
         self.show_sources = show_sources  # per-source draft counts in responses (they tell of other outputs)
         self.histories: OrderedDict[str, History] = OrderedDict()  # per API key (its hash)
 
@@ -125,7 +131,8 @@ class Service:
     def _check_length(self, prompt, param: str) -> None:
         """A prompt with more characters than the context's tokens could cover is refused before tokenizing."""
         chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
-        most = None if self.token_chars is None else 2 * self.token_chars * self.context  # 2: normalizers
+        factor = 2 if self.normalized else 1  # a normalizer may shorten the text (composing characters)
+        most = None if self.token_chars is None else factor * self.token_chars * self.context
         if most is not None and chars > most:
             raise APIError(400, f"the prompt has {chars} characters, more than the {self.context} tokens of the "
                                 "model's context can hold, so no token can be generated", param=param,
@@ -168,8 +175,10 @@ class Service:
                          if getattr(spec, k) is not None}, **({} if history is None else {"history": history}),
                       cache_scope=scope, prediction=body.prediction.text() if body.prediction else None)
         param = "messages" if chat else "prompt"
+        if self._tokenizing is None:
+            self._tokenizing = anyio.CapacityLimiter(REQUEST_TOKENIZERS)
         try:
-            stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs)
+            stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs, limiter=self._tokenizing)
         except SpecDecodeError as e:
             raise p.engine_error(e, param) from None
         stream.reopen = lambda engine: engine.stream(prompt, **kwargs)  # the same request on a batch slot's Engine
@@ -253,6 +262,12 @@ class Service:
             yield p.sse(APIError(500, "internal error during generation", type="server_error",
                                  code="internal_error").body())
         yield p.SSE_DONE
+
+
+def _normalizes(engine) -> bool:
+    """Whether the engine's tokenizer normalizes text before splitting it (unknown: True)."""
+    backend = getattr(getattr(engine, "tokenizer", None), "backend_tokenizer", None)
+    return backend is None or backend.normalizer is not None
 
 
 def _longest_token(engine) -> int | None:
