@@ -314,3 +314,49 @@ def test_padded_exact_mode_reads_padded_plain_decodings_bits(monkeypatch):
 def test_exact_mode_does_not_pad_where_padding_costs_too_much(monkeypatch):
     limits = _padded_engine(monkeypatch, 1.5).exact_limits()
     assert limits.pad_rows == 1 and limits.max_pass == 1 and "not tried" in limits.checked
+
+
+@pytest.mark.parametrize("reread", ["plain", "batched"])
+def test_a_context_made_anew_mid_generation_keeps_plain_decodings_bits(ggufs, monkeypatch, reread):
+    """Where a generation's context is made anew (parked cells used up its slack), the text is read again as plain
+    decoding read it: the prompt in passes of n_batch, then one token a pass; the logits after it keep plain
+    decoding's bits. Control ("batched"): the output read again in one pass, as the prompt is, changes them."""
+    from specdecode.backends import llamacpp
+    monkeypatch.setattr(llamacpp, "FIRST_CTX", 64)  # a small first context, so that reserve makes a new one
+    lm = llamacpp.LlamaLM(ggufs["Q4_K_M"], threads=1, exact=True)
+    prompt = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids, ref = exactness._plain(lm, prompt, 32)
+    lm.reset()
+    lm.forward(prompt, last_only=True)
+    lm.prompt_read = len(prompt) if reread == "plain" else len(prompt) + 16
+    for t in ids[:16]:
+        lm.forward([t])
+    before = lm._cells
+    lm.reserve(lm._cells - llamacpp.MAX_SEQ + 1)  # more than the context holds: a new one, the text read again
+    assert lm._cells > before and lm.ids == prompt + ids[:16] and lm.parked == 0
+    rows = torch.cat([lm.forward([t]) for t in ids[16:]])
+    assert torch.equal(rows, ref[16:]) == (reread == "plain")
+
+
+@pytest.mark.parametrize("method", ["tree", "draft"])
+def test_a_generation_whose_context_is_made_anew_keeps_plain_decodings_bits(ggufs, monkeypatch, method):
+    """The context made anew mid-generation (as when parked cells use up its slack): the rest of the output still
+    reads plain decoding's bits, every row."""
+    from specdecode.backends import llamacpp
+    monkeypatch.setattr(llamacpp, "FIRST_CTX", 64)
+    engine = engine_on(ggufs["Q4_K_M"])
+    lm = engine.target
+    prompt = PROMPTS[1]
+    plain, rows = _recorded(engine, prompt, "autoregressive", NEW)
+    real, made = lm.rollback, []
+
+    def rollback(length, path=()):
+        real(length, path)
+        if not made and len(lm) > len(prompt) + 8:
+            before = lm._cells
+            lm.reserve(lm._cells - llamacpp.MAX_SEQ + 1)  # more than it holds: a new context, the text read again
+            made.append(lm._cells > before)
+    monkeypatch.setattr(lm, "rollback", rollback)
+    r = check_greedy(engine, prompt, method, NEW, plain.token_ids, rows)
+    assert made == [True]
+    assert r["passed"] and r["bit_identical"] == r["positions_compared"] == len(plain.token_ids), str(r)

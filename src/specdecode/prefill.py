@@ -55,6 +55,7 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
             ids += head
         elif len(ids) - 1 > keep:
             _read(target, ids[keep:-1], interrupt, exact)
+    target.mark_prompt()  # what the prompt's read put in the cache (LlamaLM.reserve reads it so again)
     if interrupt is not None and interrupt():
         raise Interrupted
     if drafter is not None and len(ids) > 1:

@@ -68,6 +68,12 @@ class LM(Protocol):
         """Entries in the cache."""
 
     parked = 0  # cells held outside the text (llama.cpp exact mode: rejected tree nodes below an accepted one)
+    prompt_read = 0  # the text's first tokens, read as a prompt (prefill): a cache rebuilt in exact mode reads them so
+
+    def mark_prompt(self) -> None:
+        """The text cached now was read as a prompt (in passes of the backend's batch); a method, so that wrappers
+        that pass every other attribute on (certify.RowRecorder) set it on the LM itself."""
+        self.prompt_read = len(self)
     # exact mode: every pass padded to at least this many rows, so a 1-token step runs the kernels a k-token pass
     # runs (exactness.py measures whether that makes k-token passes exact, and whether it costs too much); the
     # padding's cells are dropped before forward returns. can_pad: the backend honours it (torch)

@@ -221,7 +221,8 @@ class LlamaLM(LM):
     def reserve(self, n: int) -> None:
         """Make room for n tokens of text (and a tree beyond them): the context doubles until it holds
         them, up to max_length. Cheap on an empty cache (a new context); with cached text, that text is
-        read again (once per doubling). On an empty cache, a context that an earlier generation grew past
+        read again (once per doubling; in exact mode in the passes plain decoding read it in, so that every cell holds
+        what plain decoding's does). On an empty cache, a context that an earlier generation grew past
         what n needs shrinks back (a bigger one makes every step slower and holds more memory)."""
         n = min(n, self.max_length)
         cells = min(self.max_length, FIRST_CTX)
@@ -235,11 +236,15 @@ class LlamaLM(LM):
             return
         if self.trunk != len(self.ids):
             raise SpecDecodeError("the llama.cpp context can grow only between passes (no tree cached)")
-        text = list(self.ids)
+        text, prompt = list(self.ids), self.prompt_read
         self._new_context(cells + MAX_SEQ)
         self.reset()
-        if text:
-            self.forward(text, last_only=True)
+        head = min(prompt, len(text)) if self.exact else len(text)
+        if head:
+            self.forward(text[:head], last_only=True)
+        for token in text[head:]:  # exact mode: the output as plain decoding read it, one token a pass
+            self.forward([token], last_only=True)
+        self.prompt_read = prompt
 
     def reset(self) -> None:
         self._lc.llama_memory_clear(self._mem, False)  # metadata only: no memset of the buffers
@@ -252,6 +257,7 @@ class LlamaLM(LM):
         if self.exact:
             self._free.remove(PARK)
         self.parked = 0  # cells held by PARK (exact): rejected tree nodes below an accepted one
+        self.prompt_read = 0
 
     def __len__(self) -> int:
         return len(self.ids)
