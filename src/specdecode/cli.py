@@ -227,15 +227,6 @@ def _backend_args(parser) -> None:
                              "of it): on a long prompt it reads a window, not the whole prompt; the output is the same")
 
 
-def _loader(args):
-    """Engine.load, or with --route a routing.Router over llama.cpp and torch bf16 (same arguments)."""
-    from .engine import Engine
-    if getattr(args, "route", False):
-        from .routing import Router
-        return Router.load
-    return Engine.load
-
-
 def _lookup_args(parser, history: bool = False, history_default: int = 0) -> None:
     parser.add_argument("--datastore", default=None, metavar="DIR",
                         help="a datastore built by `specdecode index`: the lookup, tree and auto methods draft from it")
@@ -291,7 +282,8 @@ def bench(args) -> None:
     if tree and methods is not None and not set(shaped) & set(methods):
         raise SpecDecodeError(f"--tree-width/--tree-depth/--tree-nodes apply to method {' or '.join(shaped)}, "
                               "which is not benchmarked")
-    engine = _loader(args)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+    from .routing import loader
+    engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore,
                          history_tokens=args.history_tokens, with_draft=methods is None or needs_draft_model(methods))
@@ -321,7 +313,8 @@ def generate(args) -> None:
             raise SpecDecodeError(f"--prediction: cannot read {args.prediction}: {e}") from None
     Engine.check(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **_tree_kwargs(args))
-    engine = _loader(args)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+    from .routing import loader
+    engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=wants_draft_model([args.method]), progress=not args.json,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore)

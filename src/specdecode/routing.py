@@ -14,7 +14,6 @@ row on this machine (`flat_ratio`: timed, never assumed from the CPU's name) and
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -24,8 +23,9 @@ import torch
 
 from .engine import Engine
 from .errors import SpecDecodeError
-from .machine import cache_dir, cpu_name, write_json
+from .machine import cache_dir, write_json
 from .methods import METHOD_TABLE
+from .planning.costs import machine_key
 
 FLAT_RATIO = 1.5  # torch joins where a 16-row bf16 product costs at most this many 1-row ones
 COPY_ALPHA = 0.95  # per-token acceptance a request with a prediction is planned with (an edit: a few edit points)
@@ -66,8 +66,8 @@ def memory_available() -> int | None:
 
 def read_seconds(engine: Engine, tokens: int = READ_TOKENS) -> float:
     """Seconds per prompt token on this engine: a prompt of `tokens` tokens read once (cached per machine)."""
-    key = f"{cpu_name()}|{engine.target.describe()}|{tokens}"
-    path = cache_dir() / "routing" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    key = f"{machine_key(engine.target)}-{tokens}"  # the pass costs' key: machine, model, threads
+    path = cache_dir() / "routing" / f"{key}.json"
     if path.exists():
         try:
             raw = json.loads(path.read_text())
@@ -195,3 +195,8 @@ def torch_unsuited(engine: Engine) -> str | None:
     if need is not None and free is not None and free < 1.25 * need:
         return f"the bf16 copy needs about {need / 2 ** 30:.1f} GiB; {free / 2 ** 30:.1f} GiB is available"
     return None
+
+
+def loader(route: bool):
+    """What a front end loads its models with: Engine.load, or with --route Router.load (the same arguments)."""
+    return Router.load if route else Engine.load

@@ -385,15 +385,11 @@ def serve(args) -> None:
     """`specdecode serve`: load the models, then run uvicorn until interrupted."""
     import sys
 
-    from ..engine import Engine
     from ..backends import DEFAULT_TARGET
+    from ..routing import loader
     api_key = check_serve_args(args)  # before a model load that can take a minute
     model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
-    load = Engine.load
-    if args.route:  # llama.cpp and torch bf16, each request on the faster (routing.py)
-        from ..routing import Router
-        load = Router.load
-    engine = load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+    engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=wants_draft_model([args.method]) or args.draft is not None,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore, history_tokens=args.history_tokens,
