@@ -14,6 +14,16 @@ DEFAULT_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests, whatever a module before it set (tiny models are fastest on one thread,
+    and far slower on two threads sharing busy cores); the count before is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """(target_dir, draft_dir): tiny fp32 models saved as HF directories with a byte tokenizer."""

@@ -10,7 +10,6 @@ import json
 import httpx
 import openai
 import pytest
-import torch
 from helpers import LiveServer, run
 from tiny import char_tokenizer, tiny_model
 
@@ -27,12 +26,7 @@ XEON = CostModel({1: 1.0, 2: 1.53, 3: 2.08, 4: 1.53, 8: 2.97, 16: 3.39, 32: 6.10
 FLAT = CostModel({1: 1.0, 2: 1.0, 4: 1.01, 8: 1.02, 16: 1.04, 32: 1.1, 64: 1.3}, {})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 
 
 # -- the alignment ----------------------------------------------------------------------------------------------------

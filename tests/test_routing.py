@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from tiny import char_tokenizer, tiny_model
 
 from specdecode import Engine, SpecDecodeError
@@ -16,12 +15,7 @@ STEEP = CostModel({1: 1.0, 2: 1.53, 4: 1.53, 8: 2.97, 16: 3.39, 32: 6.1, 64: 12.
 FLAT = CostModel({1: 3.0, 2: 3.0, 4: 3.05, 8: 3.1, 16: 3.2, 32: 3.6, 64: 4.5}, {})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 
 
 def engine(costs, seed=0):

@@ -15,7 +15,6 @@ import openai
 import pytest
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 from helpers import LiveServer
 from tiny import byte_tokenizer, tiny_model
@@ -28,13 +27,7 @@ MODEL = "tiny"
 KEY = "sk-test-0123456789"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models are fastest on one thread, and far slower on two threads sharing busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 
 
 def make_engine() -> Engine:

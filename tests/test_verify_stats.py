@@ -39,14 +39,7 @@ MAX_FULL_JOINT_CELLS = 4096
 Verifier = Callable[..., tuple]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tensors here are small and many: intra-op threading only adds overhead, and oversubscribes
-    a busy 2-core machine badly (several times slower). Restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small, many tensors (conftest.py)
 
 
 # ============================================================================ statistics
