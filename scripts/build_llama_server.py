@@ -1,4 +1,4 @@
-"""Build llama.cpp's own llama-server and llama-batched-bench offline into the cache (issue 22).
+"""Build llama.cpp's own llama-server and llama-batched-bench offline into the cache.
 
     python scripts/build_llama_server.py [--src DIR] [--jobs 2] [--nice 10] [--keep-build]
 

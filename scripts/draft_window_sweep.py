@@ -1,4 +1,4 @@
-"""The draft model's context window (`--draft-window`) against acceptance and speed on long prompts (issue 16).
+"""The draft model's context window (`--draft-window`) against acceptance and speed on long prompts.
 
 For each long prompt (rows of scripts/longprompt_devset.py, the first N per category): plain decoding once,
 then method `draft` (a chain of gamma draft tokens every step, so the draft model always runs) with the draft

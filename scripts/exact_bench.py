@@ -1,5 +1,5 @@
 """Exact greedy mode on the default pair: is every method's output plain decoding's, token for token, and what
-does exactness cost? (issue 17)
+does exactness cost?
 
 For each prompt (HumanEval's first N completions, MIT; MT-bench's first M questions as chat, Apache-2.0):
 - exact mode (flash attention on, the measured exact pass sizes): autoregressive, then every method; each

@@ -1,5 +1,5 @@
-"""Exact greedy mode and pass costs on a CUDA GPU, with models of the default pair's shapes (issue 17; issue 22's
-bound). The device machine reaches no network and takes no weights along, so the models are random-initialised
+"""Exact greedy mode and pass costs on a CUDA GPU, with models of the default pair's shapes (and the
+bound they set for served speed). The device machine reaches no network and takes no weights along, so the models are random-initialised
 from the default pair's configs (Qwen2.5-Coder-1.5B / 0.5B, bf16, sdpa attention): kernel paths and pass costs
 depend on the shapes, not on the weights' values. A random model's logits are nearly flat (near-ties everywhere),
 which makes any differing bit show up as a differing token sooner than a trained model would.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build a development set of long-prompt, input-grounded tasks from licensed texts already on this
 machine: the READMEs, docs and Python sources of the packages installed in the active Python's
-site-packages (issue 16: summaries, questions over a document, code edits and translation reuse the
+site-packages (summaries, questions over a document, code edits and translation reuse the
 prompt's tokens, which is where lookup drafting should pay).
 
 The data is never committed: this script is. Each row is a chat prompt that `specdecode bench`

@@ -1,5 +1,5 @@
 """Prefill and decode step of our llama.cpp backend against llama-cpp-python's own Llama on the same
-GGUF file, threads and prompt (issue 16, item 4): where does plain decoding lose to the peer?
+GGUF file, threads and prompt: where does plain decoding lose to the peer?
 
     python scripts/prefill_vs_peer.py [--tokens 1400] [--steps 32] [--repeats 3]
 
