@@ -202,7 +202,7 @@ def test_draft_window_on_the_token_loop_rebases_positions():
 
 def test_short_context_draft_keeps_drafting_with_a_window():
     """A draft model whose context is shorter than the text drafts to the end: the window is at most
-    half its context (without a window it stops once full: test_silent_paths)."""
+    half its context (without a window it stops once full: test_guards)."""
     tok = byte_tokenizer()
     engine = Engine(tiny_model(0), tok, tiny_model(0, max_pos=48), tok, draft_window=512)
     engine.costs = CHEAP

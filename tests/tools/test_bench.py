@@ -224,7 +224,7 @@ def test_cli_bench_bad_input_exit_2(tmp_path, capsys):
 
 def test_shared_datasets_parse():
     from pathlib import Path
-    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    data = Path(__file__).resolve().parents[3] / "shared" / "data"
     if not data.is_dir():
         pytest.skip("../shared/data is not beside this checkout")
     he = load_prompts(data / "humaneval.jsonl")
@@ -263,7 +263,7 @@ def test_bench_llama_cpp_peer_prefill_and_decode(tmp_path, capsys):
 def _devset_module():
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "longprompt_devset.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "longprompt_devset.py"
     spec = importlib.util.spec_from_file_location("longprompt_devset", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -2,7 +2,7 @@
 (planning/tree.py), and the prediction through Engine, CLI, bench and the OpenAI-compatible server.
 
 Greedy output never depends on the prediction (it is a source of guesses the target verifies); the sampled
-law with a prediction drafting is checked in test_engine_stats (the auto-prediction case and its controls)."""
+law with a prediction drafting is checked in test_lossless_engine (the auto-prediction case and its controls)."""
 from __future__ import annotations
 
 import json

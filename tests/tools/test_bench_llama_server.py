@@ -14,7 +14,7 @@ from specdecode.bench.llama_server import find_binary
 from specdecode.cli import main
 
 LLAMA_SERVER = find_binary("llama-server")  # read at import: the tests' cache is a temporary one
-FAKE = Path(__file__).with_name("fake_llama_server.py")
+FAKE = Path(__file__).resolve().parents[1] / "fake_llama_server.py"
 
 
 @pytest.fixture

@@ -326,7 +326,7 @@ def wide_models():
 
 
 def test_measure_returns_positive_times_by_size(wide_models):
-    """Kept as measured, not made monotone (a bigger pass may be cheaper: test_long_context)."""
+    """Kept as measured, not made monotone (a bigger pass may be cheaper: test_context_costs)."""
     lm = CachedLM(wide_models[0])
     sizes = [1, 2, 4, 8, 16]
     times = measure(lm, sizes, repeats=2)

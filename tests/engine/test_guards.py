@@ -43,7 +43,7 @@ def engine_with(target, draft=None, costs=CHEAP, **kw) -> Engine:
 def test_installed_transformers_takes_cache_keyword():
     """pyproject's floor is the first release whose causal LMs take `cache=` (5.24: `past_key_values`
     before); the installed one must satisfy it."""
-    text = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     floor = re.search(r'"transformers>=([0-9.]+),<6"', text).group(1)
     assert Version(floor) >= Version("5.24")
     assert Version(transformers.__version__) >= Version(floor)

@@ -139,7 +139,7 @@ def test_sampled_first_token_follows_target(models):
     """Engine-level check of losslessness: the first sampled token of draft decoding (many seeds) has
     the target's distribution. Three new tokens with gamma=2, so the first target pass really verifies
     two drafted tokens (with max_new_tokens=1 nothing would be drafted). The joint law of the first
-    three tokens of every method, 10^5 samples each, is in test_engine_stats."""
+    three tokens of every method, 10^5 samples each, is in test_lossless_engine."""
     from scipy.stats import chisquare
 
     from specdecode.sampling import probs_from_logits

@@ -424,7 +424,7 @@ def _sampled_first_tokens(slots, prompts, n):
 def test_sampled_law_with_company_is_the_targets(engine):
     """2 x 10^4 speculative generations (draft chains, top-k 4), 3 at a time, two prompts interleaved: each
     prompt's first token follows the target's law (p <= 1e-6 fails). What batching could break is which rows a
-    generation reads (the verifier's law itself has the 10^5-sample tests of test_engine_stats): the negative
+    generation reads (the verifier's law itself has the 10^5-sample tests of test_lossless_engine): the negative
     control hands rows to the wrong generations and must fail. ~5 ms per generation: 2 x 10^4 keeps it ~2 min."""
     from helpers import gof_pvalue
     from specdecode.sampling import SamplingParams

@@ -22,7 +22,7 @@ from specdecode.cli import main
 from specdecode.server import ray_serve
 
 MODEL = "tiny"
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- without Ray -------------------------------------------------------------------------------------------------------
