@@ -48,8 +48,8 @@ EXCLUDE = {"specdecode"}  # our own package: its README is the project's, and ch
 def default_out() -> Path:
     """Beside the models, in the repository's cache folder (SPECDECODE_CACHE, else ~/.cache/specdecode)."""
     try:
-        from specdecode.machine import cache_dir
-    except ImportError:  # the same rule as specdecode.machine.cache_dir, without importing torch's package
+        from specdecode.host import cache_dir
+    except ImportError:  # the same rule as specdecode.host.cache_dir, without importing torch's package
         root = os.environ.get("SPECDECODE_CACHE")
         base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode"
         return base.expanduser() / "devset" / "longprompt.jsonl"

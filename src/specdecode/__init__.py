@@ -1,5 +1,5 @@
 """specdecode: lossless speculative decoding for Hugging Face causal language models."""
-from .hugepages import restart_if_command
+from .host import restart_if_command
 
 restart_if_command()  # the `specdecode` command runs itself again with huge pages, before torch loads (hugepages.py)
 from .engine import METHODS, Engine

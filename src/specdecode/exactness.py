@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .errors import SpecDecodeError
-from .machine import cache_dir, write_json
+from .host import cache_dir, write_json
 from .sampling import argmax
 
 FORMAT = 4  # 2: measured after several context lengths; 3: and up to which context (max_context); 4: pad_rows,

@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from .engine import Engine
 from .errors import SpecDecodeError
-from .machine import cache_dir, write_json
+from .host import cache_dir, memory_available, write_json
 from .methods import METHOD_TABLE
 from .planning.costs import machine_key
 
@@ -51,17 +50,6 @@ def flat_ratio(rows: int = 16, d: int = 1536, ff: int = 4096, repeats: int = 5) 
             times.append(time.perf_counter() - t)
         best[n] = min(times)
     return best[rows] / best[1]
-
-
-def memory_available() -> int | None:
-    """Bytes the kernel reports as available (None where /proc/meminfo is not there)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def read_seconds(engine: Engine, tokens: int = READ_TOKENS) -> float:

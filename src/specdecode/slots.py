@@ -25,7 +25,7 @@ from .backends.batching import Lockstep
 from .backends.split import time_mixing
 from .engine import Engine
 from .errors import SpecDecodeError
-from .machine import write_json
+from .host import write_json
 from .planning.costs import CostModel
 from .routing import memory_available
 from .stats import Generation

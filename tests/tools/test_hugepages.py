@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from specdecode import hugepages
+from specdecode.host import hugepages
 from specdecode.bench.load_peers import Launched
 
 

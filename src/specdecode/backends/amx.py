@@ -46,7 +46,7 @@ def amx_usable(path: str | Path, lc) -> bool:
     path = Path(path)
     if os.environ.get("SPECDECODE_AMX_PROBE") or b"AMX_INT8 = 1" not in _system_info(lc):
         return True
-    from ..machine import cache_dir, cpu_name, write_json
+    from ..host import cache_dir, cpu_name, write_json
     lib = Path(lc.__file__).parent / "lib"
     st = path.stat()
     parts = [cpu_name(), str(path.resolve()), str(st.st_size), str(st.st_mtime_ns)]

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SpecDecodeError
-from ..machine import cache_dir  # noqa: F401  (re-exported: specdecode.backends.cache_dir)
+from ..host import cache_dir  # noqa: F401  (re-exported: specdecode.backends.cache_dir)
 from .torch_lm import CachedLM
 
 # torch's intra-op threads before a llama.cpp model lowered them to 1 (load_lm), if it did: torch

@@ -25,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..backends.amx import NO_AMX_FLAGS
-from ..machine import cache_dir
+from ..host import cache_dir
 
 TARGETS = ("llama-server", "llama-batched-bench")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",

@@ -123,7 +123,7 @@ class Launched:
                  health: str = "/health", ours: bool = False):
         """ours: our own server (it keeps this process's environment, huge pages included); any other is started
         with the environment as the user had it (hugepages.user_env)."""
-        from ..hugepages import user_env
+        from ..host import user_env
         self.argv, self.port, self.log_path, self.health = argv, port, Path(log_path), health
         self.url = f"http://127.0.0.1:{port}"
         self.ready_timeout = ready_timeout

@@ -34,7 +34,7 @@ class LlamaPeer:
     while ours runs; its times are taken there, around the generation only."""
 
     def __init__(self, engine: Engine, pld: bool, log_dir: str | Path = "bench-out/logs"):
-        from ..hugepages import user_env
+        from ..host import user_env
         from .load_peers import DEFAULT_CTX
         lm = engine.target
         self.eos = sorted(engine.eos_ids)

@@ -185,13 +185,13 @@ def _make_peers(engine, methods: list[str], llama_server: str | None, log_dir) -
 
 def hugepages_status() -> str:
     """Huge pages for ours and for the peers started (peers get the user's environment: hugepages.user_env)."""
-    from ..hugepages import status
+    from ..host.hugepages import status
     return status() + "; peers started as a user starts them"
 
 
 def cpu_description() -> str:
     """CPU model and the vector/matrix flags that decide which kernels run."""
-    from ..machine import cpu_name
+    from ..host import cpu_name
     flags = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

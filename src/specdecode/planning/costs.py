@@ -15,7 +15,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from .calibration import Calibration  # noqa: F401  (re-exported)
-from ..machine import cache_dir, cpu_name as _cpu_name, write_json  # _cpu_name: the old name, kept
+from ..host import cache_dir, cpu_name as _cpu_name, write_json  # _cpu_name: the old name, kept
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # up to a followed copy's deepest chain (copy.py)
 DRAFT_SIZES = (1, 2, 4, 8)

@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ..backends.compute import name_thread
+from ..host import name_thread
 from ..errors import SpecDecodeError
 from .affinity import slot_for
 from .metrics import Metrics

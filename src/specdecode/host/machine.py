@@ -1,4 +1,5 @@
-"""Facts of this machine and user that several modules need: where the cache lives and the CPU's name.
+"""Facts of this machine and user that several modules need: where the cache lives, the CPU's name and the
+memory available.
 
 A leaf: it imports nothing from the package, so costs, models and llamacpp can all read it without an
 import cycle."""
@@ -36,3 +37,14 @@ def cpu_name() -> str:
     except OSError:
         pass
     return ""
+
+
+def memory_available() -> int | None:
+    """Bytes the kernel reports as available (None where /proc/meminfo is not there)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
