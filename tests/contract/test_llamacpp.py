@@ -783,7 +783,7 @@ def law(near_engine, target_ref):
     return law
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 def test_sampled_draft_chain_keeps_the_target_distribution(near_engine, law, monkeypatch):
     counts, st = sampled_pairs(near_engine, N_CHAIN, "draft", gamma=2)
     assert st.deep > 0.9 * N_CHAIN  # first passes draft two deep
@@ -800,7 +800,7 @@ def test_sampled_draft_chain_keeps_the_target_distribution(near_engine, law, mon
         assert p_bad < ALPHA, (wrong.__name__, p_bad)
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 def test_sampled_tree_keeps_the_target_distribution(near_engine, law, monkeypatch):
     kw = dict(tree_width=2, tree_depth=2, tree_nodes=8)
     counts, st = sampled_pairs(near_engine, N_TREE, "tree", **kw)

@@ -134,7 +134,7 @@ def test_sampling_is_reproducible_with_seed(models):
     assert a == b and a != c
 
 
-@pytest.mark.slow  # statistical: 3000 sampled generations (about a minute)
+@pytest.mark.stat  # 3000 sampled generations (about a minute)
 def test_sampled_first_token_follows_target(models):
     """Engine-level check of losslessness: the first sampled token of draft decoding (many seeds) has
     the target's distribution. Three new tokens with gamma=2, so the first target pass really verifies

@@ -576,7 +576,7 @@ def test_cost_tables_choose_what_the_cases_are_about():
     assert draft_model_can_pay(WIDE) and draft_model_can_pay(NARROW) and not draft_model_can_pay(NO_DRAFT)
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 @pytest.mark.parametrize("method, setting", CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_engine_keeps_the_target_law(request, monkeypatch, method, setting):
     engine = request.getfixturevalue("frspec_engine" if method == "draft-frspec" else "engine")

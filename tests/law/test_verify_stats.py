@@ -265,7 +265,7 @@ def _run(verifier, case, seed=1234):
     return out, first_acc, lossless_pvalues(case, out)
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_verify_emits_target_distribution(case):
     out, first_acc, pvals = _run(verify, case)
@@ -277,7 +277,7 @@ def test_verify_emits_target_distribution(case):
     assert not bad, f"{case.name}: rejected ({_fmt(bad)}); all: {_fmt(pvals)}"
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_first_step_acceptance_length_law(case):
     """Acceptance is as high as the rule allows: P(accept x_i) = sum_x min(p_i, q_i)."""
@@ -378,7 +378,7 @@ NEGATIVE_CASES = [  # gamma >= 2 everywhere, or a no-prefix rule would coincide 
 ]
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 def test_reference_rule_is_correct():
     """The wrong verifiers differ from this one by a single switch; it must pass the same test."""
     for case in NEGATIVE_CASES:
@@ -386,7 +386,7 @@ def test_reference_rule_is_correct():
         assert min(pvals.values()) > ALPHA, f"{case.name}: {_fmt(pvals)}"
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 @pytest.mark.parametrize("case", NEGATIVE_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("wrong", list(WRONG_VERIFIERS), ids=str)
 def test_wrong_verifier_is_detected(wrong, case):
@@ -394,7 +394,7 @@ def test_wrong_verifier_is_detected(wrong, case):
     assert min(pvals.values()) < ALPHA, f"{wrong} not detected on {case.name}: {_fmt(pvals)}"
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 def test_ignoring_q_is_lossless_but_accepts_less():
     """Treating a sampled draft as one-hot is still exact (valid for any fixed x) but lowers
     acceptance, which the acceptance-length law detects: that test has power of its own."""
@@ -415,7 +415,7 @@ def test_negative_cases_are_real_cases():
     assert sum(c.name in names for c in NEGATIVE_CASES) == len(NEGATIVE_CASES) - 1
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 def test_draw_matches_probabilities():
     g = torch.Generator().manual_seed(3)
     probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])

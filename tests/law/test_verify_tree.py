@@ -314,7 +314,7 @@ JOINT2 = P0[:, None] * P1  # [x, y]
 JOINT3 = JOINT2[:, :, None] * P2[None]  # [x, y, z]
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 def test_draw_matches_probabilities():
     x = _draw(Q0.expand(N, V), gen(3))
     assert gof_pvalue(np.bincount(x.numpy(), minlength=V), Q0.numpy()) > ALPHA
@@ -505,7 +505,7 @@ def _exact_depth_law(mode: str) -> Optional[np.ndarray]:
     return np.array([1 - d1 - d2, d1, d2])
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 def test_tree_emits_target_distribution(mode):
     g = gen(1000 + MODES.index(mode))
@@ -575,7 +575,7 @@ def test_control_trees_differ_from_the_modes_only_where_intended():
     assert torch.equal(tk.tokens, MODES[2].make(g, 10).tokens)  # the same trees as mode top_k
 
 
-@pytest.mark.slow  # statistical
+@pytest.mark.stat
 @pytest.mark.parametrize("name", list(CONTROLS), ids=str)
 def test_wrong_tree_rule_is_detected(name):
     make, verifier = CONTROLS[name]

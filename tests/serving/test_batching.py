@@ -420,7 +420,7 @@ def _sampled_first_tokens(slots, prompts, n):
     return [o.token_ids[0] for o in outs]
 
 
-@pytest.mark.slow
+@pytest.mark.stat
 def test_sampled_law_with_company_is_the_targets(engine):
     """2 x 10^4 speculative generations (draft chains, top-k 4), 3 at a time, two prompts interleaved: each
     prompt's first token follows the target's law (p <= 1e-6 fails). What batching could break is which rows a

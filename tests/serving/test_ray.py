@@ -1,7 +1,7 @@
 """The server as Ray Serve replicas: a local Ray cluster on 127.0.0.1 with 2 replicas of the tiny models,
 1 thread each, driven by the official openai client; and the `ray` extra kept optional. One module fixture starts
-Ray once (35 s of the minute these tests take on 2 cores): the tests that need it are marked slow (CI runs them;
-`-m "not slow"` leaves them out) and run on one xdist worker."""
+Ray once (35 s of the minute these tests take on 2 cores): the tests that need it are marked `cluster` (CI runs
+them; `-m "not cluster"` leaves them out) and run on one xdist worker."""
 import asyncio
 import json
 import os
@@ -215,7 +215,7 @@ def answers(c: openai.OpenAI) -> dict:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.xdist_group("ray")
 def test_answers_through_ray_equal_plain_serve(cluster, plain):
     through_ray, reference = answers(client(cluster)), answers(plain)
@@ -224,7 +224,7 @@ def test_answers_through_ray_equal_plain_serve(cluster, plain):
     assert [m.id for m in client(cluster).models.list().data] == [MODEL]
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.xdist_group("ray")
 def test_requests_spread_over_both_replicas_with_their_metrics(cluster):
     c = client(cluster)
@@ -249,7 +249,7 @@ def test_requests_spread_over_both_replicas_with_their_metrics(cluster):
     assert httpx.get(f"{cluster}/health", timeout=10).json()["model"] == MODEL
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.xdist_group("ray")
 def test_replica_killed_mid_stream_fails_cleanly_and_is_replaced(cluster):
     import ray
