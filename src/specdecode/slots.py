@@ -21,8 +21,8 @@ import threading
 from pathlib import Path
 
 from .backends import cache_dir, slots as make_slots
-from .backends.batching import Lockstep
-from .backends.split import time_mixing
+from .backends import Lockstep
+from .backends import time_mixing
 from .engine import Engine
 from .errors import SpecDecodeError
 from .host import write_json
@@ -122,7 +122,7 @@ class Slots:
 def slot_cells(engine: Engine, n: int, cells: int | None, context: int | None) -> int:
     """The cells of n slots' shared context (see Slots), checked against the memory available for their keys and values
     (the target's and the draft's)."""
-    from .backends.batching import node_ids
+    from .backends import node_ids
     if context is not None:
         if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= engine.target.max_length:
             raise SpecDecodeError(f"a slot's context must be 1..{engine.target.max_length} tokens (the model's), "

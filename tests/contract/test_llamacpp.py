@@ -954,7 +954,7 @@ def test_tree_shapes_are_checked_against_the_cache_before_the_request_starts(fil
 def _claims_amx(monkeypatch, probe: str):
     """A build that reports AMX_INT8 (as a native build on a CPU with AMX does), a file with weights of a type
     AMX takes, and the child's check replaced by `probe` (plain Python: no model is loaded)."""
-    import specdecode.backends.amx as L
+    import specdecode.backends.llamacpp.amx as L
     monkeypatch.setattr(L, "_system_info", lambda lc: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |")
     monkeypatch.setattr(L, "_amx_weight_types", lambda path: {"Q4_K"})
     monkeypatch.setattr(L, "AMX_PROBE", probe)
@@ -965,7 +965,7 @@ def _claims_amx(monkeypatch, probe: str):
 def test_amx_check_leaves_a_corrupt_file_to_llama_cpps_clear_error(files, tmp_path, monkeypatch):
     """On a build with AMX kernels the check reads the file's tensor types first: a file that is not a GGUF must
     still end in llama.cpp's clear error, not in the gguf reader's ValueError."""
-    import specdecode.backends.amx as L
+    import specdecode.backends.llamacpp.amx as L
     monkeypatch.setattr(L, "_system_info", lambda lc: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |")
     monkeypatch.setattr(L, "_amx_usable", {})
     bad = tmp_path / "bad.gguf"

@@ -29,7 +29,7 @@ def ggufs(tmp_path_factory):
     """Tiny GGUFs (hidden 256: K-quant blocks fit) in F32 and requantized."""
     pytest.importorskip("llama_cpp")
     from tinygguf import write_tiny_gguf
-    from specdecode.backends.llamacpp import _lib
+    from specdecode.backends.llamacpp.lm import _lib
     lc = _lib()
     d = tmp_path_factory.mktemp("exact")
     src = write_tiny_gguf(d / "tiny-F32.gguf", 0, hidden=256)
@@ -321,7 +321,7 @@ def test_a_context_made_anew_mid_generation_keeps_plain_decodings_bits(ggufs, mo
     """Where a generation's context is made anew (parked cells used up its slack), the text is read again as plain
     decoding read it: the prompt in passes of n_batch, then one token a pass; the logits after it keep plain
     decoding's bits. Control ("batched"): the output read again in one pass, as the prompt is, changes them."""
-    from specdecode.backends import llamacpp
+    from specdecode.backends.llamacpp import lm as llamacpp
     monkeypatch.setattr(llamacpp, "FIRST_CTX", 64)  # a small first context, so that reserve makes a new one
     lm = llamacpp.LlamaLM(ggufs["Q4_K_M"], threads=1, exact=True)
     prompt = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -342,7 +342,7 @@ def test_a_context_made_anew_mid_generation_keeps_plain_decodings_bits(ggufs, mo
 def test_a_generation_whose_context_is_made_anew_keeps_plain_decodings_bits(ggufs, monkeypatch, method):
     """The context made anew mid-generation (as when parked cells use up its slack): the rest of the output still
     reads plain decoding's bits, every row."""
-    from specdecode.backends import llamacpp
+    from specdecode.backends.llamacpp import lm as llamacpp
     monkeypatch.setattr(llamacpp, "FIRST_CTX", 64)
     engine = engine_on(ggufs["Q4_K_M"])
     lm = engine.target

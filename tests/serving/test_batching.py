@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specdecode import Engine
-from specdecode.backends.batching import Lockstep, plan_split
+from specdecode.backends.llamacpp.batching import Lockstep, plan_split
 from specdecode.errors import SpecDecodeError
 from specdecode.slots import Slots
 
@@ -182,7 +182,7 @@ def test_a_failed_pass_fails_its_own_generation_only(engine):
 def test_a_slot_reads_a_prompt_whole_when_its_chunk_size_changes_midway(engine, monkeypatch):
     """Others join or leave while a slot reads its prompt: its chunk size changes between chunks (16 <-> 512),
     and every token is still read once."""
-    from specdecode.backends.batching import LlamaSlot
+    from specdecode.backends.llamacpp.batching import LlamaSlot
     sizes = iter([16, 512, 16, 512] * 50)
     monkeypatch.setattr(LlamaSlot, "feed_step", lambda self, left: min(left, next(sizes)))
     slot = Slots(engine, 2).engines[0].target
@@ -205,7 +205,7 @@ def test_plan_split_follows_the_measured_cost():
 
 
 def test_a_prompts_chunk_goes_apart_from_steps_where_mixed_tiles_cost_more():
-    from specdecode.backends.split import FA_TILE, mixing
+    from specdecode.backends.llamacpp.split import FA_TILE, mixing
     cost = lambda n: 0.06 + 0.01 * n  # noqa: E731  (a call: 60 ms, and 10 ms a token)
     steps_and_chunk, cells = [1, 1, 1, 128], [1500, 1600, 1700, 1100]
     assert mixing(steps_and_chunk, cells, 5900, 7e-5) == pytest.approx(7e-5 * (5900 - 1100))  # all but the chunk's
@@ -249,7 +249,7 @@ def test_a_prefill_chunk_given_is_what_slots_read_prompts_in(engine):
 
 def test_time_mixing_is_measured_and_cached_with_the_calls(engine):
     import json
-    from specdecode.backends.split import time_mixing
+    from specdecode.backends.llamacpp.split import time_mixing
     from specdecode.slots import costs_path
     slots = Slots(engine, 2)
     shared = slots.engines[0].target._shared
@@ -511,7 +511,7 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
 
 def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monkeypatch):
     import json
-    from specdecode.backends.batching import SharedContext
+    from specdecode.backends.llamacpp.batching import SharedContext
     from specdecode.backends.llamacpp import N_BATCH
     from specdecode.slots import CALLS_FORMAT, costs_path
     slots = Slots(engine, 2)
@@ -571,7 +571,7 @@ def test_served_calls_are_observed_by_the_slots_table(engine):
 def test_every_drafter_stays_within_its_slots_tree_node_ids(engine, method, monkeypatch):
     """32 slots hold (256 - 32) / 32 = 7 tree-node ids each: every planned drafter's tree (the draft model's
     expansion too) fits in them, on repetitive prompts whose lookup guesses would grow bigger trees."""
-    from specdecode.backends.batching import LlamaSlot
+    from specdecode.backends.llamacpp.batching import LlamaSlot
     widest = []
     tree_pass = LlamaSlot._tree_pass
 

@@ -42,7 +42,17 @@ def test_what_differs_between_backends_is_a_member_of_the_lm(tmp_path):
 
 # outside backends/: no question of which backend an LM is (`backend` is a label for reports only)
 ASKS_BACKEND = re.compile(r"backend\s*[!=]=|isinstance\([^)]*\b(LlamaLM|CachedLM)\b")
-BACKEND_MODULES = {"specdecode.backends.llamacpp", "specdecode.backends.torch_lm"}
+BACKENDS = ("specdecode.backends.llamacpp", "specdecode.backends.torch_lm")  # a backend: a module or a subpackage
+
+
+def is_backend(module: str) -> bool:
+    return any(module == b or module.startswith(b + ".") for b in BACKENDS)
+
+
+def test_a_backend_is_its_module_or_any_module_of_its_subpackage():
+    assert is_backend("specdecode.backends.llamacpp") and is_backend("specdecode.backends.llamacpp.batching")
+    assert is_backend("specdecode.backends.torch_lm")
+    assert not is_backend("specdecode.backends") and not is_backend("specdecode.backends.loading")
 
 
 def test_nothing_outside_backends_asks_which_backend_it_holds():
@@ -53,7 +63,8 @@ def test_nothing_outside_backends_asks_which_backend_it_holds():
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             assert not ASKS_BACKEND.search(line), f"{rel}:{lineno} asks which backend it holds: {line.strip()}"
         imports = _module_imports(path)
-        assert not imports & BACKEND_MODULES, f"{rel} imports a backend directly: {imports & BACKEND_MODULES}"
+        direct = sorted(m for m in imports if is_backend(m))
+        assert not direct, f"{rel} imports a backend directly: {direct}"
         if rel != Path("engine.py"):  # Engine.load loads models; everything else gets LMs
             assert "specdecode.backends.loading" not in imports, f"{rel} imports backends.loading"
 

@@ -1,7 +1,7 @@
 """Backends: a causal LM with its KV cache behind one interface (base.LM), on torch (torch_lm.CachedLM)
-or llama.cpp (llamacpp.LlamaLM), and the loading of model files (loading.py). Outside this package
-code asks an LM what it can do (its members), never which backend it is. A new backend: a module here
-with a class that subclasses LM, and its case in loading.resolve_backend / load_lm."""
+or llama.cpp (the llamacpp subpackage: llamacpp.LlamaLM), and the loading of model files (loading.py). Outside
+this package code asks an LM what it can do (its members), never which backend it is. A new backend: a module
+(or a subpackage) here with a class that subclasses LM, and its case in loading.resolve_backend / load_lm."""
 from .base import LM
 from .loading import (BACKENDS, BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_QUANT_CHOICES, ChunkedGGUF, as_lm,
                       assemble, cache_dir, check_draft_vocab, converted, gguf_tokenizer, load_draft_lm, load_lm,
@@ -10,22 +10,26 @@ from .torch_lm import CachedLM
 
 __all__ = ["LM", "CachedLM", "LlamaLM", "as_lm", "BACKENDS", "BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET",
            "DRAFT_QUANT_CHOICES", "ChunkedGGUF", "assemble", "cache_dir", "check_draft_vocab", "converted",
-           "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend", "slots"]
+           "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend", "slots",
+           "Lockstep", "NO_AMX_FLAGS", "node_ids", "time_mixing"]
+# the llama.cpp subpackage's names that code outside backends/ uses (continuous batching's slots, the llama-server
+# build), loaded on first use: importing this package loads none of the llama.cpp modules
+_LLAMACPP = {"LlamaLM", "Lockstep", "NO_AMX_FLAGS", "node_ids", "time_mixing"}
 
 
 def slots(lm: LM, n: int, cells: int, lockstep, cost=None) -> list[LM]:
-    """n LMs on lm's weights whose passes run together (continuous batching: batching.py), sharing a cache of
-    `cells` entries; SpecDecodeError with lm.batch_error if its backend cannot."""
+    """n LMs on lm's weights whose passes run together (continuous batching: llamacpp/batching.py), sharing a
+    cache of `cells` entries; SpecDecodeError with lm.batch_error if its backend cannot."""
     from ..errors import SpecDecodeError
     if lm.batch_error is not None:
         raise SpecDecodeError(lm.batch_error)
-    from .batching import SharedContext
+    from .llamacpp.batching import SharedContext
     return SharedContext(lm, n, cells, lockstep, cost).slots
 
 
 def __getattr__(name):
-    """LlamaLM on first use: importing llama.cpp's bindings is left to whoever runs it."""
-    if name == "LlamaLM":
-        from .llamacpp import LlamaLM
-        return LlamaLM
+    """The llama.cpp names (_LLAMACPP) on first use: importing llama.cpp's bindings is left to whoever runs it."""
+    if name in _LLAMACPP:
+        from . import llamacpp
+        return getattr(llamacpp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

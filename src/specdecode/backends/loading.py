@@ -82,7 +82,7 @@ def is_gguf(spec: str) -> bool:
 def resolve_backend(backend: str | None, spec: str, device: str | None = None) -> str:
     """auto: a GGUF model on the CPU runs on llama.cpp (when llama-cpp-python is installed); Hugging
     Face directories, hub ids and CUDA run on torch."""
-    from . import llamacpp
+    from .llamacpp import lm
     backend = backend or "auto"
     if backend not in BACKENDS:
         raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -93,11 +93,11 @@ def resolve_backend(backend: str | None, spec: str, device: str | None = None) -
                                   "(use --backend torch for Hugging Face models)")
         if not on_cpu:
             raise SpecDecodeError("the llama.cpp backend runs on the CPU here; use --backend torch for CUDA")
-        if not llamacpp.available():
-            llamacpp._lib()  # raises the install hint
+        if not lm.available():
+            lm._lib()  # raises the install hint
         return backend
     if backend == "auto":
-        if is_gguf(spec) and on_cpu and llamacpp.available():
+        if is_gguf(spec) and on_cpu and lm.available():
             return "llama.cpp"
         return "torch"
     return backend
@@ -153,10 +153,10 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
     tokenizer = gguf_tokenizer(gguf, progress)
     info = None
     if quant == "auto":
-        from .quantize import fastest_draft
+        from .llamacpp.quantize import fastest_draft
         gguf, info = fastest_draft(gguf, threads, progress)
     elif quant not in (None, "none"):
-        from .quantize import requantize
+        from .llamacpp.quantize import requantize
         gguf, info = requantize(gguf, quant, threads), {"chosen": quant}
     lm = LlamaLM(gguf, threads=threads, exact=exact)
     if not _torch_models and torch.get_num_threads() > 1:  # torch then only reads logits (see _lowered_from)

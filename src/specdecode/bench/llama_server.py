@@ -24,7 +24,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from ..backends.amx import NO_AMX_FLAGS
+from ..backends import NO_AMX_FLAGS
 from ..host import cache_dir
 
 TARGETS = ("llama-server", "llama-batched-bench")

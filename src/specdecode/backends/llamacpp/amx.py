@@ -42,11 +42,11 @@ def amx_usable(path: str | Path, lc) -> bool:
     operand, so the stores of the tile shapes before it are dropped as dead and `ldtilecfg` reads stack
     garbage; seen on a 2-vCPU Intel Xeon with AMX, llama-cpp-python 0.3.36, Debian's GCC 12.2). Checked once
     per library build, CPU and file, in a child process (where a crash costs nothing), and cached.
-    lc: llama-cpp-python's bindings (llamacpp._lib())."""
+    lc: llama-cpp-python's bindings (lm._lib())."""
     path = Path(path)
     if os.environ.get("SPECDECODE_AMX_PROBE") or b"AMX_INT8 = 1" not in _system_info(lc):
         return True
-    from ..host import cache_dir, cpu_name, write_json
+    from ...host import cache_dir, cpu_name, write_json
     lib = Path(lc.__file__).parent / "lib"
     st = path.stat()
     parts = [cpu_name(), str(path.resolve()), str(st.st_size), str(st.st_mtime_ns)]

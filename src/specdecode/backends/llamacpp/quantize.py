@@ -12,16 +12,16 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import SpecDecodeError
-from ..host import write_json
-from .llamacpp import LlamaLM, _lib, default_threads
+from ...errors import SpecDecodeError
+from ...host import write_json
+from .lm import LlamaLM, _lib, default_threads
 
 DRAFT_QUANTS = {"Q4_0": 2, "Q8_0": 7}  # name -> llama_ftype (LLAMA_FTYPE_MOSTLY_*)
 
 
 def requantize(src: Path, name: str, threads: int | None = None) -> Path:
     """src requantized to `name` (a DRAFT_QUANTS key), written once into the cache (seconds)."""
-    from ..host import cache_dir
+    from ...host import cache_dir
     lc = _lib()
     st = src.stat()
     key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -62,7 +62,7 @@ def fastest_draft(src: Path, threads: int | None = None, progress: bool = True) 
     """The draft file to run: src or one of its requantizations, whichever makes the fastest 1-token
     pass on this machine. Measured once per machine, file, llama.cpp build and thread count; the
     choice and the timings are cached under the cache dir's costs/ and returned as a report."""
-    from ..host import cache_dir, cpu_name as _cpu_name
+    from ...host import cache_dir, cpu_name as _cpu_name
     threads = threads or default_threads()
     lc = _lib()
     st = src.stat()

@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import SpecDecodeError
+from ...errors import SpecDecodeError
 from . import compute
 from .amx import amx_usable
-from .base import LM
+from ..base import LM
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree pass holds at most 255 nodes
 N_BATCH = 512  # tokens per llama_decode call (a longer causal feed is split)

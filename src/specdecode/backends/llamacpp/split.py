@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .llamacpp import N_BATCH
+from .lm import N_BATCH
 
 FA_TILE = 64  # tokens of a call from which llama.cpp's CPU flash attention runs it in tiles (GGML_FA_TILE_Q)
 

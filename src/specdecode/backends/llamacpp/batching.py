@@ -21,10 +21,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import SpecDecodeError
+from ...errors import SpecDecodeError
 from . import compute
-from .base import common_start
-from .llamacpp import MAX_SEQ, N_BATCH, LlamaLM
+from ..base import common_start
+from .lm import MAX_SEQ, N_BATCH, LlamaLM
 from .split import plan_split
 
 GUARD_S = 0.02  # a pass waits at most this long for live generations that have not asked for theirs yet

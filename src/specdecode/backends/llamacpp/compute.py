@@ -15,7 +15,7 @@ import concurrent.futures
 import os
 import threading
 
-from ..host import name_thread
+from ...host import name_thread
 
 _guard = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
