@@ -16,6 +16,7 @@ from tiny import char_tokenizer, tiny_model
 from specdecode import Engine, SpecDecodeError
 from specdecode.backends import CachedLM
 from specdecode.drafters import Alignment
+from specdecode.drafters.copy import copy_values
 from specdecode.drafters.lookup import Lookup
 from specdecode.planning.costs import CostModel
 from specdecode.planning.tree import TreeDrafter
@@ -110,6 +111,22 @@ def test_a_long_run_is_worth_more_than_a_fresh_one_and_breaks_cost_trust():
     # a prediction that is wrong from the start: every token breaks it, and it is not realigned
     wrong = follow(ref, list(range(500, 540)))
     assert wrong.breaks == 1 and wrong.pos is None and wrong.guess(list(range(500, 540)), 8) is None
+
+
+def test_a_copy_realigned_on_a_long_run_is_trusted_deep_at_once():
+    """After an edit point, the common run that realigned the copy is the evidence: a long one on a reference with
+    a clean record is trusted as deep as the record allows; a short chance match is not."""
+    ref = list(range(1000, 1400))
+    out = ref[:150] + [7, 8] + ref[152:172]  # 150 copied, one edit, 20 copied again
+    a = follow(ref, out)
+    assert a.breaks == 1 and a.run >= 20
+    deep = a.guess(out, 48).values
+    assert deep[31] > 0.6  # the 32nd token ahead: 0.9 ** 32 of a fresh Laplace run would give 21/53
+    assert deep == copy_values(a.run, a.hazard, 48)  # the prediction's prior odds are even
+    chance = copy_values(3, a.hazard, 48, odds=1 / 3)
+    assert chance[15] < 0.55 * deep[15]  # the same record, a 3-token match in a prompt: backs off
+    # a reference that breaks every few tokens is worth little however it was realigned
+    assert copy_values(20, 0.3, 16)[7] < 0.1
 
 
 def test_trust_drops_with_breaks():
@@ -249,7 +266,7 @@ def test_cli_generate_with_a_prediction_file_and_stdin(tiny_dirs, tmp_path, caps
 
 
 def test_bench_reads_a_prediction_per_prompt(tmp_path):
-    from specdecode.bench.run import load_prompts
+    from specdecode.launch.prompts import load_prompts
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a", "prediction": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
     rows = load_prompts(path)

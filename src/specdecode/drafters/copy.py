@@ -10,10 +10,13 @@ equals), so the copy resumes right after an inserted, deleted or changed span. A
 of a span of the reference is remembered, and expected again where that span comes back (a rename: every later
 occurrence of the old name is guessed as the new one; where the output keeps the original, the copy goes on).
 
-The value of a guess comes from the run of successes it continues: after r tokens copied in a row, the next
-is taken with probability (r + 1) / (r + 2) (Laplace's rule of succession), at most the rate at which this
-reference has gone on so far in this generation (its breaks per copied token). So a long run yields a deep chain, an edit point backs off at once, and
-a reference that is wrong from the start (another file) is soon not drafted from at all.
+The value of a guess is a mixture of two explanations of the run of r tokens the output has just copied: the
+alignment is genuine (the output copies the reference, leaving it at an edit point with a per-token hazard h, this
+reference's breaks per copied token so far) or spurious (a chance match, which goes on with probability
+SPURIOUS_GO_ON a token). The run weighs them (Bayes, from the source's prior odds), and the j-th guess ahead is taken with
+P(genuine | r) (1 - h)^j + P(spurious | r) SPURIOUS_GO_ON^j. So a copy that re-synchronises after an edit point on a
+long common run is trusted at once as far as the reference's own record allows, a short match backs off, and a
+reference that is wrong from the start (another file) breaks often, its hazard grows, and it is soon not drafted from.
 """
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ from dataclasses import dataclass
 SYNC_MIN = 3  # output tokens that must match the reference to (re)align on it
 SYNC_RUN_MAX = 64  # how far back a candidate alignment's common run is measured
 SYNC_CANDIDATES = 64  # occurrences of the last SYNC_MIN tokens compared per re-synchronisation, nearest first
-BREAK_PRIOR = 8.0  # copied tokens a reference is credited with before its first break
+BREAK_PRIOR = 8.0  # a reference starts with a hazard of one break per BREAK_PRIOR tokens, learned from then on
+SPURIOUS_GO_ON = 0.7  # P(a chance match of the output and the reference goes on one more token)
+PRIOR_ODDS = {"prediction": 1.0, "context": 1 / 3}  # odds of a genuine copy before any run: the client's own
+# prediction is meant to be copied; a prompt is mostly not repeated, and code repeats short pieces of itself
 EDIT_MAX = 16  # the longest span a remembered substitution replaces or writes (a rename, a changed argument)
 
 
@@ -157,20 +163,29 @@ class Alignment:
             self.pos, self.run = best_end, best_run
             self._learn(out, n)
 
+    @property
+    def hazard(self) -> float:
+        """P(the output leaves the reference at a given token) while it genuinely copies it: this reference's breaks
+        per copied token, from a prior of one break in BREAK_PRIOR tokens."""
+        return (self.breaks + 1) / (self.copied + self.breaks + BREAK_PRIOR)
+
     def guess(self, ids: list[int], depth: int) -> CopyGuess | None:
         """The reference's next tokens (at most depth) with their values; None where it is not aligned."""
         self.follow(ids)
         if self.pos is None or depth <= 0 or (self.pos >= len(self.reference) and not self.pending):
             return None
         tokens = self._expected(depth)
-        # the reference's own record: breaks per copied token, from a prior of BREAK_PRIOR clean tokens
-        trust = (self.copied + BREAK_PRIOR) / (self.copied + self.breaks + BREAK_PRIOR)
-        values, v = [], 1.0
-        for j in range(len(tokens)):
-            r = self.run + j
-            v *= min(trust, (r + 1) / (r + 2))
-            values.append(v)
+        values = copy_values(self.run, self.hazard, len(tokens), PRIOR_ODDS.get(self.source, 1.0))
         return CopyGuess(tokens, values, self.run, self.source)
+
+
+def copy_values(run: int, hazard: float, n: int, odds: float = 1.0) -> list[float]:
+    """P(the target takes each of the next n copied tokens, the path to it included) after `run` tokens copied in
+    a row: genuine copy (hazard per token) or chance match (SPURIOUS_GO_ON per token), weighed by the run from
+    prior odds `odds` of a genuine copy."""
+    keep = 1.0 - hazard
+    genuine = 1.0 / (1.0 + (SPURIOUS_GO_ON / keep) ** run / odds) if keep > 0 else 0.0
+    return [genuine * keep ** j + (1.0 - genuine) * SPURIOUS_GO_ON ** j for j in range(1, n + 1)]
 
 
 def followed(prompt_ids, prediction_ids, start: int | None = None) -> list[Alignment]:
