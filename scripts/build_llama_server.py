@@ -2,14 +2,14 @@
 
     python scripts/build_llama_server.py [--src DIR] [--jobs 2] [--nice 10] [--keep-build]
 
-Same as `specdecode loadtest --build-llama-server`; see specdecode/bench/llama_server.py. The binaries
+Same as `specdecode loadtest --build-llama-server`; see specdecode/launch/llama_server.py. The binaries
 land in $SPECDECODE_CACHE (default ~/.cache/specdecode)/llama-server/<llama-cpp-python version>/bin.
 """
 from __future__ import annotations
 
 import argparse
 
-from specdecode.bench.llama_server import build
+from specdecode.launch.llama_server import build
 
 
 def main():

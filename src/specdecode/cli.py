@@ -132,8 +132,8 @@ def _serve_parser(sub) -> None:
 
 
 def _loadtest_parser(sub) -> None:
-    """`specdecode loadtest` (its arguments: bench/load_cli.py)"""
-    from .bench.load_cli import add_parser
+    """`specdecode loadtest` (its arguments: loadtest/cli.py)"""
+    from .loadtest.cli import add_parser
     add_parser(sub)
 
 
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "index":
             index(args)
         elif args.command == "loadtest":
-            from .bench.load_cli import loadtest
+            from .loadtest.cli import loadtest
             return loadtest(args)
         elif args.command == "serve":
             require_extra("serve")

@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
-from specdecode.bench.load import one_request
-from specdecode.bench.soak import Traffic, honest_body, malformed_bodies, request_key
-from specdecode.bench.soak_check import check_greedy, error_code, judge, markdown, summary
+from specdecode.loadtest.client import one_request
+from specdecode.loadtest.soak import Traffic, honest_body, malformed_bodies, request_key
+from specdecode.loadtest.soak_check import check_greedy, error_code, judge, markdown, summary
 from specdecode.cli import main
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.bench.llama_server import find_binary
+from specdecode.launch.llama_server import find_binary
 from specdecode.cli import main
 
 LLAMA_SERVER = find_binary("llama-server")  # read at import: the tests' cache is a temporary one
@@ -28,7 +28,7 @@ def prompts(tmp_path):
 def test_llama_server_peers_checked_before_any_model(tmp_path, prompts, monkeypatch, capsys):
     """Without the binary: exit 2 naming `specdecode loadtest --build-llama-server`, before the (here missing)
     model is looked at; a missing --llama-server file and sampling are refused as early."""
-    import specdecode.bench.llama_server as ls
+    import specdecode.launch.llama_server as ls
     monkeypatch.setattr(ls, "find_binary", lambda *a, **k: None)
     missing_model = str(tmp_path / "no-such-model.gguf")
     for methods in ("llama-server", "autoregressive,llama-server-draft", "llama-server-ngram"):
@@ -53,7 +53,7 @@ def _fake_binary(tmp_path) -> Path:
 
 
 def test_bench_llama_server_peers_through_a_stand_in_server(tmp_path, prompts, monkeypatch, capsys):
-    """One server per peer for the whole run (its command line load_peers' with one slot), each prompt's tokens
+    """One server per peer for the whole run (its command line launch.servers' with one slot), each prompt's tokens
     as the stream carried them (equal to the llama.cpp peer's on the same file), TTFT and decode speed."""
     pytest.importorskip("llama_cpp", reason="the llama.cpp peers need llama-cpp-python (not installed)")
     from tinygguf import write_tiny_gguf

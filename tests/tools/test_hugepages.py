@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from specdecode.host import hugepages
-from specdecode.bench.load_peers import Launched
+from specdecode.launch.servers import Launched
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ import httpx
 import pytest
 import torch
 
-from specdecode.bench.load import (first_difference, greedy_mismatches, level_rows, measure_server, percentile,
-                                   run_level_async)
-from specdecode.bench.llama_server import find_binary
-from specdecode.bench.load_peers import llama_cpp_server_missing, peer_argv
+from specdecode.loadtest.client import (first_difference, greedy_mismatches, level_rows, measure_server, percentile,
+                                      run_level_async)
+from specdecode.launch.llama_server import find_binary
+from specdecode.launch.servers import llama_cpp_server_missing, peer_argv
 from specdecode.cli import main
 from specdecode.server import create_app, engine_lock
 
@@ -135,8 +135,8 @@ def test_llama_server_peer_command(tmp_path):
 
 def test_llama_cpp_python_peer_without_its_server_packages(monkeypatch, tmp_path, capsys):
     """The peer's missing pure-Python packages are named (with the pip command) before anything starts."""
-    import specdecode.bench.load_peers as load_peers
-    monkeypatch.setattr(load_peers, "llama_cpp_server_missing", lambda: ["sse-starlette", "starlette-context<0.4"])
+    import specdecode.launch.servers as servers
+    monkeypatch.setattr(servers, "llama_cpp_server_missing", lambda: ["sse-starlette", "starlette-context<0.4"])
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
     assert main(["loadtest", "--launch", "llama-cpp-python", "--prompts", str(prompts)]) == 2
@@ -221,7 +221,7 @@ def test_rss_of_a_process_tree_and_the_sampler():
     import time
 
     import psutil
-    from specdecode.bench.procmem import MemorySampler, rss_bytes
+    from specdecode.loadtest.procmem import MemorySampler, rss_bytes
     _proc_rss = lambda pid: psutil.Process(pid).memory_info().rss  # noqa: E731  (the process alone)
     child = "x = b'x' * (96 << 20); import time; time.sleep(60)"  # 96 MiB touched: resident
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
@@ -308,7 +308,7 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     import threading
     import time
 
-    from specdecode.bench.procmem import cpu_split, thread_cpu
+    from specdecode.loadtest.procmem import cpu_split, thread_cpu
     before, done = thread_cpu(os.getpid()), threading.Event()
 
     def busy():
@@ -345,7 +345,7 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
 def test_like_for_like_compares_requests_of_equal_length_only():
     """Per level, the first server's summed time over another's, over the first round's requests both answered
     with the same number of tokens (texts that end elsewhere are different work)."""
-    from specdecode.bench.load_report import like_for_like, markdown
+    from specdecode.loadtest.report import like_for_like, markdown
     req = lambda i, tokens, e2e, c=1, r=1: {"id": i, "concurrency": c, "round": r, "tokens": tokens, "e2e_s": e2e,  # noqa: E731
                                              "error": None}
     a = [req("p", 128, 4.0), req("q", 128, 5.0), req("s", 60, 1.0), req("p", 128, 9.0, c=4), req("p", 128, 1.0, r=2),

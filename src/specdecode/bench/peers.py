@@ -35,7 +35,7 @@ class LlamaPeer:
 
     def __init__(self, engine: Engine, pld: bool, log_dir: str | Path = "bench-out/logs"):
         from ..host import user_env
-        from .load_peers import DEFAULT_CTX
+        from ..launch.servers import DEFAULT_CTX
         lm = engine.target
         self.eos = sorted(engine.eos_ids)
         log_dir = Path(log_dir)

@@ -2,7 +2,6 @@
 prompt file, in one run, interleaved prompt by prompt so that machine drift hits all alike."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -11,51 +10,11 @@ from tqdm.auto import tqdm
 from ..drafters import History
 from ..engine import METHODS, Engine
 from ..errors import SpecDecodeError
+from ..launch.describe import cpu_description, hugepages_status
 from ..methods import BASELINE, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
 from .server_peer import SERVER_PEERS, close_peers, make_server_peers
 from .summary import decode_rate, summarize
-
-
-def load_prompts(path: str | Path, limit: int | None = None, all_turns: bool = False) -> list[dict]:
-    """JSONL rows with `prompt` (raw completion) or `turns` (chat: the first turn, or with all_turns
-    every turn, as one conversation), optional `category` and `prediction` (the text the answer is expected to
-    repeat: drafted from by our methods, as a server's client would send it)."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpecDecodeError(f"prompt file not found: {path}")
-    rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecDecodeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise SpecDecodeError(f"{path}:{lineno}: expected a JSON object")
-        if isinstance(obj.get("prompt"), str) and obj["prompt"]:
-            row = {"prompt": obj["prompt"], "chat": False}
-        elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
-            row = {"prompt": obj["turns"][0], "chat": True}
-            if all_turns:
-                if not all(isinstance(t, str) and t for t in obj["turns"]):
-                    raise SpecDecodeError(f"{path}:{lineno}: every turn must be a non-empty string")
-                row["turns"] = list(obj["turns"])
-        else:
-            raise SpecDecodeError(f"{path}:{lineno}: needs a non-empty 'prompt' string or a 'turns' list of strings")
-        if obj.get("prediction") is not None:  # Predicted Outputs: the text the answer should mostly repeat
-            if not isinstance(obj["prediction"], str):
-                raise SpecDecodeError(f"{path}:{lineno}: 'prediction' must be a string")
-            row["prediction"] = obj["prediction"]
-        row["id"] = str(obj.get("task_id", obj.get("question_id", lineno)))
-        row["category"] = obj.get("category") if isinstance(obj.get("category"), str) else None
-        rows.append(row)
-        if limit and len(rows) >= limit:
-            break
-    if not rows:
-        raise SpecDecodeError(f"{path}: no prompts")
-    return rows
 
 
 def parse_methods(text: str) -> list[str]:
@@ -181,27 +140,6 @@ def _make_peers(engine, methods: list[str], llama_server: str | None, log_dir) -
         close_peers(peers)
         raise
     return peers
-
-
-def hugepages_status() -> str:
-    """Huge pages for ours and for the peers started (peers get the user's environment: hugepages.user_env)."""
-    from ..host.hugepages import status
-    return status() + "; peers started as a user starts them"
-
-
-def cpu_description() -> str:
-    """CPU model and the vector/matrix flags that decide which kernels run."""
-    from ..host import cpu_name
-    flags = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c"))]
-                break
-    except OSError:
-        pass
-    import os
-    return f"{cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags: {' '.join(flags) or 'n/a'}"
 
 
 def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=None, peers=None) -> dict:

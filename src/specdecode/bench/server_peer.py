@@ -3,7 +3,7 @@ speculation does on the same prompts, GGUF files and threads, next to ours.
 
 Peers: `llama-server` (plain), `llama-server-draft` (`--spec-type draft-simple -md DRAFT`: the draft GGUF our
 engine runs), `llama-server-ngram` (`--spec-type ngram-mod`), `llama-server-ngram-simple` (`--spec-type ngram-simple`, 16 deep). One server per peer for the whole run, launched
-by load_peers (the same command lines as `specdecode loadtest --launch`, one slot: `-np 1 -kvu`), stopped at
+by launch/servers.py (the same command lines as `specdecode loadtest --launch`, one slot: `-np 1 -kvu`), stopped at
 the end. Each prompt goes to its native /completion as our engine's prompt token ids: greedy (temperature 0,
 top-k 1, no repetition penalty), streamed, `cache_prompt: false` (every run prefills, as ours do). TTFT is
 the first streamed token; the tokens are those the stream carries (the end-of-generation token included,
@@ -24,7 +24,7 @@ SERVER_PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram", "lla
 
 def server_binary(path: str | None = None) -> str:
     """`path`, else the cached build of llama-server (then PATH); a clear error where there is none."""
-    from .llama_server import find_binary
+    from ..launch.llama_server import find_binary
     found = path or find_binary("llama-server")
     if found is None:
         raise SpecDecodeError("the llama-server peers need llama.cpp's llama-server, which is not built: "
@@ -49,7 +49,7 @@ class LlamaServerPeer:
 
     def __init__(self, name: str, engine, binary: str, log_dir: Path, ctx: int | None = None,
                  ready_timeout: float = 300.0):
-        from .load_peers import DEFAULT_CTX, Launched, free_port, peer_argv
+        from ..launch.servers import DEFAULT_CTX, Launched, free_port, peer_argv
         lm = engine.target
         if lm.gguf_path is None:
             raise SpecDecodeError(f"peer {name} needs the target on the llama.cpp backend (a GGUF model)")

@@ -11,7 +11,7 @@ Kinds of request (each record has `kind` and `variant`):
 - oversized: a body past the server's 8 MiB limit (413), or a prompt far past the model's context (400);
 - malformed: broken JSON, wrong types, unknown models and fields, a lone surrogate, bad roles (4xx).
 
-Every request goes through `load.one_request` (the load benchmark's client) where it is JSON, or a plain POST of
+Every request goes through `client.one_request` (the load benchmark's client) where it is JSON, or a plain POST of
 raw bytes where it is not; a refused connection (the server restarting) is marked `refused`.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import random
 import time
 
-from .load import one_request
+from .client import one_request
 
 KIND_WEIGHTS = {"honest": 0.6, "disconnect": 0.16, "deadline": 0.04, "oversized": 0.04, "malformed": 0.16}
 OVERSIZED_BYTES = (8 << 20) + (1 << 20)  # past the server's 8 MiB body limit (server.app.MAX_BODY_BYTES)

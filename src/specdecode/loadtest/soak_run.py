@@ -29,7 +29,7 @@ IDLE_TIMEOUT_S = 120.0
 
 
 class Soak:
-    """One soak run: `run()` returns everything soak_check needs. launcher(): a context manager (load_peers.Launched)
+    """One soak run: `run()` returns everything soak_check needs. launcher(): a context manager (launch.servers.Launched)
     that starts the server and has .url and .proc; None with `url` (a running server: no restart, no memory)."""
 
     def __init__(self, cfg: dict, launcher=None, url: str | None = None, log=print):
@@ -171,7 +171,7 @@ class Soak:
 
 
 def _model_of(url: str) -> str:
-    from .load import server_model
+    from .client import server_model
     return server_model(url)
 
 
@@ -218,7 +218,7 @@ def soak_dir(out: str | Path) -> Path:
 
 def add_soak_args(t) -> None:
     """`specdecode loadtest`'s --soak options (the parser `t`)."""
-    k = t.add_argument_group("soak: a load and fault test that leaves the server running (bench/soak_run.py)")
+    k = t.add_argument_group("soak: a load and fault test that leaves the server running (loadtest/soak_run.py)")
     k.add_argument("--soak", type=float, default=None, metavar="MINUTES",
                    help="MINUTES of mixed honest and faulty requests at the highest --concurrency against one "
                         "`specdecode serve --parallel P` launched here (or --server URL), with a SIGTERM and "
@@ -243,14 +243,14 @@ def add_soak_args(t) -> None:
 
 def soak(args, servers: dict[str, str], prompts: list[dict] | None) -> int:
     """`specdecode loadtest --soak MINUTES`: 0 when every criterion passed, 1 when one failed. servers: --server as
-    load_cli reads it; prompts: --prompts' rows (None: soak.PROMPTS)."""
+    cli.py reads it; prompts: --prompts' rows (None: soak.PROMPTS)."""
     import importlib.util
     import os
     import shlex
     import sys
 
     from ..errors import SpecDecodeError
-    from .run import cpu_description
+    from ..launch.describe import cpu_description
     from .soak_check import judge, markdown, summary, write_report
     if args.soak <= 0 or args.parallel < 1 or args.max_tokens <= 0 or args.soak_timeout <= 0:
         raise SpecDecodeError("--soak, --parallel, --max-tokens and --soak-timeout must be positive")
@@ -284,12 +284,12 @@ def soak(args, servers: dict[str, str], prompts: list[dict] | None) -> int:
 
 
 def _launcher(args, cfg: dict, cores) -> tuple:
-    """(launcher(generation) -> load_peers.Launched, the command line): `specdecode serve --parallel P
+    """(launcher(generation) -> launch.servers.Launched, the command line): `specdecode serve --parallel P
     --timeout T` on one free loopback port, the same port for the server started after the restart."""
     import shlex
 
     from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
-    from .load_peers import DEFAULT_CTX, Launched, free_port, peer_argv
+    from ..launch.servers import DEFAULT_CTX, Launched, free_port, peer_argv
     target = args.target or DEFAULT_TARGET
     draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
     port = free_port()

@@ -1,11 +1,11 @@
-"""`specdecode loadtest`: the load benchmark. See bench/load.py (the client and its statistics),
-bench/load_peers.py (the servers it launches), bench/load_report.py (outputs), bench/llama_server.py (the
-offline build of llama.cpp's own server).
+"""`specdecode loadtest`: the load benchmark's arguments and command. See client.py (the client and its
+statistics), peers.py (the servers it launches, measured; their command lines and processes: launch/servers.py),
+report.py (outputs), launch/llama_server.py (the offline build of llama.cpp's own server).
 
     specdecode loadtest --server http://127.0.0.1:8000[,NAME=URL...] --prompts FILE... --concurrency 1,2,4,8
     specdecode loadtest --launch llama-server,llama-server-draft,specdecode --prompts FILE... [--target T --draft D]
     specdecode loadtest --build-llama-server
-    specdecode loadtest --soak MINUTES [--parallel P --concurrency C]   (bench/soak_run.py: load and faults)
+    specdecode loadtest --soak MINUTES [--parallel P --concurrency C]   (soak_run.py: load and faults)
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..errors import SpecDecodeError
 
 
 def add_parser(sub) -> None:
-    from .load_peers import DEFAULT_PEERS, PEERS, serve_flags
+    from ..launch.servers import DEFAULT_PEERS, PEERS, serve_flags
     flags = serve_flags(sub)  # read here: the serve parser is added before this one
     t = sub.add_parser("loadtest", help="load benchmark: streamed OpenAI requests at several concurrencies against "
                                         "servers (running ones, or llama-server and ours launched here)")
@@ -93,7 +93,7 @@ def _servers(text: str | None) -> dict[str, str]:
 
 
 def _peers(text: str | None) -> list[str]:
-    from .load_peers import DEFAULT_PEERS, PEERS
+    from ..launch.servers import DEFAULT_PEERS, PEERS
     if not text:
         return []
     names = list(DEFAULT_PEERS) if text.strip() == "default" else [x.strip() for x in text.split(",") if x.strip()]
@@ -104,7 +104,7 @@ def _peers(text: str | None) -> list[str]:
 
 
 def _prompts(args) -> list[dict]:
-    from .run import load_prompts
+    from ..launch.prompts import load_prompts
     rows = []
     for path in args.prompts:
         for row in load_prompts(path, args.limit):
@@ -114,11 +114,11 @@ def _prompts(args) -> list[dict]:
 
 def loadtest(args) -> int:
     """Run the load benchmark; 0 when it ran (errors and greedy mismatches are reported, not fatal)."""
-    from . import llama_server as ls
-    from .load import measure_server
-    from .load_peers import llama_cpp_server_missing
-    from .load_report import markdown, write_outputs
-    from .run import cpu_description, hugepages_status
+    from ..launch import llama_server as ls
+    from ..launch.describe import cpu_description, hugepages_status
+    from ..launch.servers import llama_cpp_server_missing
+    from .client import measure_server
+    from .report import markdown, write_outputs
     if importlib.util.find_spec("httpx") is None:
         raise SpecDecodeError('`specdecode loadtest` needs httpx, which is not installed: pip install httpx')
     if args.launch and importlib.util.find_spec("psutil") is None:  # the launched servers' memory (procmem)
@@ -169,9 +169,10 @@ def loadtest(args) -> int:
 
 def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int], binary: str | None, results: dict,
                    log) -> None:
-    """--launch: each peer measured at every level (load_peers.measure_peer), level by level, into
+    """--launch: each peer measured at every level (peers.measure_peer), level by level, into
     results["servers"]."""
-    from .load_peers import DEFAULT_CTX, measure_peer
+    from ..launch.servers import DEFAULT_CTX
+    from .peers import measure_peer
     from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
     target = args.target or DEFAULT_TARGET
     draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)

@@ -24,17 +24,22 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from ..backends import NO_AMX_FLAGS
 from ..host import cache_dir
 
 TARGETS = ("llama-server", "llama-batched-bench")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF")
-if platform.machine() in ("x86_64", "AMD64"):
-    # as the README builds llama-cpp-python: without llama.cpp's AMX kernels, which GCC 12 miscompiles (a crash
-    # on the first batched matmul on a CPU with AMX; see backends/amx.amx_usable)
-    CMAKE_FLAGS += NO_AMX_FLAGS
+
+
+def cmake_flags() -> tuple[str, ...]:
+    """CMAKE_FLAGS; on x86, as the README builds llama-cpp-python: without llama.cpp's AMX kernels, which GCC 12
+    miscompiles (a crash on the first batched matmul on a CPU with AMX; see backends/llamacpp/amx.amx_usable).
+    Read at build time: backends/ loads torch, which finding the binary (the load test) never needs."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        from ..backends import NO_AMX_FLAGS
+        return CMAKE_FLAGS + NO_AMX_FLAGS
+    return CMAKE_FLAGS
 
 
 def llama_cpp_version() -> str:
@@ -79,6 +84,7 @@ def build(version: str | None = None, src: str | Path | None = None, jobs: int =
     out = bin_dir(version)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=_mkdir(out.parent)))
     t0 = time.perf_counter()
+    flags = cmake_flags()
     try:
         root = Path(src) if src else _fetch_source(version, work, log)
         tree = root if (root / "tools" / "server").is_dir() else root / "vendor" / "llama.cpp"
@@ -87,7 +93,7 @@ def build(version: str | None = None, src: str | Path | None = None, jobs: int =
         build_dir = work / "build"
         prefix = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
         log(f"configuring {tree}")
-        subprocess.run([*prefix, "cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_FLAGS], check=True)
+        subprocess.run([*prefix, "cmake", "-S", str(tree), "-B", str(build_dir), *flags], check=True)
         log(f"building {' '.join(TARGETS)} with {jobs} jobs (about 11 minutes on 2 cores)")
         subprocess.run([*prefix, "cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
                         "--target", *TARGETS], check=True)
@@ -96,7 +102,7 @@ def build(version: str | None = None, src: str | Path | None = None, jobs: int =
             shutil.copy2(build_dir / "bin" / name, out / name)
         version_text = subprocess.run([str(out / "llama-server"), "--version"], capture_output=True, text=True)
         (out.parent / "BUILD_INFO.txt").write_text(
-            f"llama-cpp-python {version}\nsource {tree}\nflags {' '.join(CMAKE_FLAGS)}\n"
+            f"llama-cpp-python {version}\nsource {tree}\nflags {' '.join(flags)}\n"
             f"build seconds {time.perf_counter() - t0:.0f}\n{version_text.stdout}{version_text.stderr}")
         log(f"installed {', '.join(TARGETS)} in {out} ({time.perf_counter() - t0:.0f} s)")
         return out

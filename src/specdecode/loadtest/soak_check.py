@@ -22,7 +22,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from .load import first_difference, percentile
+from .client import first_difference, percentile
 
 DOCUMENTED_503 = {"queue_full", "timeout", "shutting_down", "engine_unavailable"}
 RESTART_SLACK_S = 1.0  # after the new server answers /health: connections refused this long after still count as down

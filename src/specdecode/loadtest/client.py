@@ -4,7 +4,7 @@ fixed concurrency, and what a user of that server sees.
 Closed loop: `concurrency` clients each send their next request as soon as their last one ends, until
 the level's requests are spent. Every request is greedy (temperature 0), streamed, with
 `stream_options.include_usage`; a prompt row with `chat` goes to /v1/chat/completions as one user message,
-the others to /v1/completions (rows as `bench.run.load_prompts` reads them).
+the others to /v1/completions (rows as `launch.prompts.load_prompts` reads them).
 
 Per request: the text, completion tokens (the final `usage` chunk's count, else the number of chunks
 that carried text), time to first token (first text chunk), inter-token latency (gaps between text
