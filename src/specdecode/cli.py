@@ -1,4 +1,7 @@
-"""Command line: `specdecode generate ...` (and `python -m specdecode ...`)."""
+"""Command line: `specdecode generate ...` (and `python -m specdecode ...`).
+
+Nothing here imports torch at module level: main() restarts the command for huge pages (host/hugepages.py)
+before any command's parser or code loads it."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .errors import SpecDecodeError
+from .host import restart_if_command
 
 
 class _Parser(argparse.ArgumentParser):
@@ -361,6 +365,7 @@ def require_extra(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    restart_if_command()  # the `specdecode` command runs itself again with huge pages, before torch loads
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

@@ -128,3 +128,30 @@ def test_the_command_restarts_itself(tmp_path, command):
     off = subprocess.run([sys.executable, *command, "--help"], env={**env, "SPECDECODE_HUGEPAGES": "0"},
                          capture_output=True, text=True, timeout=300)
     assert "ENV|None|None" in off.stderr, off.stderr[-2000:]  # the negative control
+
+
+IMPORT_ONLY = textwrap.dedent("""
+    import os, sys
+    calls = []
+    os.execve = lambda *a: calls.append(a)  # a restart would call it (and not return)
+    import specdecode
+    imported = (len(calls), "torch" in sys.modules)
+    from specdecode.host import restart_if_command
+    restart_if_command()  # what the command's main() does first: the negative control
+    verify = specdecode.verify
+    print(*imported, len(calls), "torch" in sys.modules, specdecode.Engine.__name__, callable(verify), sep="|")
+""")
+
+
+def test_importing_the_package_restarts_nothing_and_loads_no_torch(tmp_path):
+    """`import specdecode` from a script the huge-pages check takes for the command (it is named `specdecode`) has no
+    effect on the process: no restart, no torch; the package's names load on first use."""
+    script = tmp_path / "specdecode"
+    script.write_text(IMPORT_ONLY)
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hugepages.BEFORE, "SPECDECODE_HUGEPAGES")}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    restarts, torch_at_import, restarts_after, torch_after, engine, verify = out.stdout.strip().split("|")
+    assert (restarts, torch_at_import) == ("0", "False"), out.stderr[-2000:]
+    assert (torch_after, engine, verify) == ("True", "Engine", "True"), out.stderr[-2000:]  # loaded when named
+    if hugepages.restart_argv(env) is not None:  # where a restart applies at all
+        assert restarts_after == "1"  # the command's own call restarts: the check above can see one
