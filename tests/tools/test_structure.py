@@ -2,6 +2,8 @@
 import cycles (imports inside functions included) or oversized modules."""
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import specdecode
@@ -155,3 +157,17 @@ def test_no_import_cycles():
     host = {f"specdecode.host.{m}" for m in ("machine", "hugepages", "threads")}
     assert all(graph[m] == set() for m in host)  # leaves: any module (costs, loading, llamacpp) reads them, no cycle
     assert graph["specdecode.host"] <= host
+
+
+def test_the_load_test_and_the_command_line_load_no_torch():
+    """`specdecode loadtest` runs beside the servers it measures: its modules and launch/'s load no torch; nor do the
+    package and the CLI module (the command restarts for huge pages before anything loads torch). The engine, the
+    negative control, does."""
+    light = ["specdecode", "specdecode.cli"] + [f"specdecode.{p.parent.name}.{p.stem}".removesuffix(".__init__")
+                                               for d in ("loadtest", "launch") for p in sorted((SRC / d).glob("*.py"))]
+    assert "specdecode.loadtest.cli" in light
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n" \
+           "    assert 'torch' not in sys.modules, m + ' loads torch'\n"
+    for modules, loads_torch in ((light, False), (["specdecode.engine"], True)):
+        out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=300)
+        assert (out.returncode != 0) == loads_torch, out.stderr[-2000:]

@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
     add_soak_args(t)
     t.add_argument("--out", default="loadtest-out", help="directory for loadtest.json, loadtest.md, loadtest.png, "
                                                         "logs/ (default loadtest-out)")
-    t.set_defaults(serve_flags=flags)
+    t.set_defaults(serve_flags=flags, run=loadtest)
 
 
 def _levels(text: str) -> list[int]:

@@ -5,7 +5,8 @@
 Four parts: `protocol` (request and response models: the wire format, and how bad input becomes an
 OpenAI-style error), `scheduler` (the one worker thread, its bounded FIFO queue, cancellation and
 deadlines; no HTTP), `service` (what the routes do: a request opened as an Engine stream, queued, and its
-events turned into a response) and `app` (the FastAPI app, its routes and middleware, and `serve`).
+events turned into a response) and `app` (the FastAPI app, its routes and middleware, and `serve`); `cli`
+holds the command's arguments.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream false or true;
 streams are server-sent events in OpenAI's chunk format ending with `data: [DONE]`), GET /health,
@@ -14,8 +15,23 @@ GET /metrics (Prometheus text).
 On Ray Serve (the `ray` extra): `specdecode serve --ray --replicas N`, or `ray_app(...)`, a Serve application of
 replicas that each load their own Engine (`ray_serve`).
 """
-from .app import create_app, serve
-from .ray_serve import ray_app, serve_ray
-from .scheduler import engine_lock
+from __future__ import annotations
+
+import importlib
+
+# each name and its module, imported on first use: the CLI builds serve's parser (cli.py) without the extra
+_EXPORTS = {"create_app": "app", "serve": "app", "ray_app": "ray_serve", "serve_ray": "ray_serve",
+            "engine_lock": "scheduler"}
 
 __all__ = ["create_app", "serve", "engine_lock", "ray_app", "serve_ray"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

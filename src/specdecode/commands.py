@@ -1,0 +1,154 @@
+"""`specdecode generate`, and what the commands that load models share: the backend, lookup and tree arguments,
+and the check that a command's optional packages are installed. Each other command's parser lives with its
+package (bench/cli.py, server/cli.py, loadtest/cli.py, certify.py, drafters/datastore.py); cli.py dispatches."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from .errors import SpecDecodeError
+
+# what `specdecode serve` and `specdecode bench` import beyond the core, and the extra that installs it
+EXTRAS = {"serve": ("server", ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "anyio")),
+          "bench": ("bench", ("matplotlib",)), "serve --ray": ("ray", ("ray",))}
+
+
+def require_extra(command: str) -> None:
+    extra, modules = EXTRAS[command]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecDecodeError(f"`specdecode {command}` needs {', '.join(missing)}, which is not installed: "
+                              f"pip install \"specdecode[{extra}]\" (from a checkout: pip install -e \".[{extra}]\")")
+
+
+def add_generate_parser(sub) -> None:
+    """`specdecode generate`"""
+    from .methods import DEFAULT_METHOD, help_text, method_names
+    g = sub.add_parser("generate", help="generate text from a prompt (streamed), then print stats")
+    g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--prediction", default=None, metavar="FILE",
+                   help="a file holding the text the answer is expected to repeat, mostly ('-': stdin), as OpenAI's "
+                        "Predicted Outputs: a source of guesses the target verifies, never a forced output")
+    g.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=help_text())
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
+    tree_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
+    g.add_argument("--target", default=None, help="built-in name, HF directory, .gguf file or hub id "
+                                                  "(default: qwen2.5-coder-1.5b-instruct)")
+    g.add_argument("--draft", default=None, help="draft model, same forms (default with the default target: "
+                                                 "qwen2.5-coder-0.5b-instruct)")
+    g.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
+                   help="default: bf16 where the hardware supports it natively, else fp32")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    backend_args(g)
+    lookup_args(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.set_defaults(run=generate)
+
+
+def backend_args(parser) -> None:
+    from .drafters import DRAFT_WINDOW
+    from .backends import BACKENDS
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto (default): GGUF models on the CPU run on llama.cpp, the rest on torch")
+    parser.add_argument("--route", action="store_true",
+                        help="a GGUF target on llama.cpp and also on torch in bf16 (where this CPU's bf16 passes "
+                             "measure flat and memory allows), each request run whole on the one its measured costs "
+                             "predict faster (an edit with a prediction: often torch; a chat: llama.cpp)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
+    parser.add_argument("--draft-quant", choices=["auto", "none", "Q4_0", "Q8_0"], default="auto",
+                        help="llama.cpp: run the draft in its fastest type here (auto, measured once), keep the "
+                             "file's (none) or force one; the draft never changes the output")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                        help="torch: keep only the K most frequent tokens in the draft's output layer (FR-Spec; "
+                             "frequencies from --draft-vocab-from or --datastore); a lighter draft, same output")
+    parser.add_argument("--draft-vocab-from", default=None, metavar="DIR",
+                        help="the datastore whose token frequencies choose --draft-vocab's tokens")
+    parser.add_argument("--exact", action="store_true",
+                        help="exact greedy mode: every token's logits bit-identical to plain decoding's, so the output "
+                             "is plain decoding's token for token (llama.cpp: flash attention on; passes kept to the sizes "
+                             "measured exact here; see the README)")
+    parser.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
+                        help=f"the draft model sees about the last N tokens of the text (default {DRAFT_WINDOW}; 0: all "
+                             "of it): on a long prompt it reads a window, not the whole prompt; the output is the same")
+
+
+def lookup_args(parser, history: bool = False, history_default: int = 0) -> None:
+    parser.add_argument("--datastore", default=None, metavar="DIR",
+                        help="a datastore built by `specdecode index`: the lookup, tree and auto methods draft from it")
+    if history:
+        parser.add_argument("--history-tokens", type=int, default=history_default,
+                            help=f"earlier outputs remembered for the lookup drafter (default {history_default:,} "
+                                 "tokens, least recently used dropped first; 0: none, and output then never depends "
+                                 "on earlier requests)")
+
+
+def tree_args(parser) -> None:
+    t = parser.add_argument_group("method tree (each unset dimension is chosen by the cost model)")
+    t.add_argument("--tree-width", type=int, default=None, help="children per node and nodes expanded per depth")
+    t.add_argument("--tree-depth", type=int, default=None, help="depth of the tree (draft passes)")
+    t.add_argument("--tree-nodes", type=int, default=None, help="draft tokens verified per target pass")
+
+
+def tree_kwargs(args) -> dict:
+    kw = {f"tree_{k}": getattr(args, f"tree_{k}") for k in ("width", "depth", "nodes")}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def generate(args) -> None:
+    """The Engine checks the arguments (SpecDecodeError: exit 2 with its message). The sampling settings are
+    checked by the Engine's own SamplingParams before the model load, which can take a minute."""
+    from .engine import Engine
+    from .methods import wants_draft_model
+    if args.prompt == "-" and args.prediction == "-":
+        raise SpecDecodeError("the prompt and --prediction cannot both be read from stdin")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prediction = None
+    if args.prediction is not None:
+        try:
+            prediction = sys.stdin.read() if args.prediction == "-" else Path(args.prediction).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecDecodeError(f"--prediction: cannot read {args.prediction}: {e}") from None
+    Engine.check(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **tree_kwargs(args))
+    from .routing import loader
+    engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+                         threads=args.threads, with_draft=wants_draft_model([args.method]), progress=not args.json,
+                         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore)
+    stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           stop=args.stop, chat=args.chat, prediction=prediction, **tree_kwargs(args))
+    for delta in stream:
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    result = stream.result
+    if args.json:
+        json.dump(result.as_dict(), sys.stdout)
+        sys.stdout.write("\n")
+        return
+    s = result.stats
+    rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.1%}"
+    sys.stdout.write("\n")
+    shape = f"gamma={s.gamma}" if s.tree is None else ", ".join(f"{k} {v}" for k, v in s.strategies.items()) \
+        if s.method == "auto" else (
+        f"nodes/pass {s.mean_tree_nodes or 0:.1f}, depth/pass {s.tree_depth / max(1, s.target_forwards):.1f}, "
+        f"expected tokens/pass {s.expected_tokens_per_pass or 0:.2f}")
+    sys.stderr.write(f"[{s.method} {shape}] {s.new_tokens} tokens in {s.wall_s:.2f}s "
+                     f"({s.tokens_per_second or 0:.2f} tok/s) | target forwards {s.target_forwards} | "
+                     f"accepted {s.accepted}/{s.drafted} ({rate}) | "
+                     f"tokens per target forward {s.mean_accepted_tokens or 0:.2f} | "
+                     f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s | finish: {s.finish_reason} | backend {engine.backend}\n")
+    if prediction is not None:
+        src = s.sources.get("prediction", {"drafted": 0, "accepted": 0})
+        sys.stderr.write(f"prediction: {src['accepted']} tokens accepted, {src['drafted'] - src['accepted']} rejected\n")
+
