@@ -1,25 +1,37 @@
 """A generation request's arguments, checked without models (Engine.check: front ends call it before
-loading them), and a tree's size checked against what the models hold (tree_nodes_cap), before any model work."""
+loading them), a tree's size checked against what the models hold (tree_nodes_cap), before any model work, and
+the positive-integer check every layer uses (positive_int). Its module-level imports stay torch-free: the load
+test uses positive_int too."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .errors import SpecDecodeError
-from .methods import METHOD_TABLE, get_method
-from .planning.planner import MAX_DEPTH
-from .sampling import SamplingParams
-from .textstream import STOP_CHARS_MAX
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
 
 FIXED_TREE_NODES = 256  # nodes per pass of a tree whose size the cost model does not choose, at most
+
+
+def positive_int(name: str, value):
+    """`value` where it is an integer of at least 1 (a bool is not one); SpecDecodeError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
+    return value
 
 
 def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop=None, tree_width=None, tree_depth=None,
                   tree_nodes=None) -> SamplingParams:
     """SpecDecodeError with a message for the first bad argument; the sampling settings otherwise."""
+    from .methods import METHOD_TABLE, get_method
+    from .sampling import SamplingParams
+    from .textstream import STOP_CHARS_MAX
     params = SamplingParams(temperature, top_k, top_p)
     m = get_method(method)  # SpecDecodeError naming the choices
     for name, value in (("gamma", gamma), ("max_new_tokens", max_new_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(name, value)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stops):
         raise SpecDecodeError("stop strings must be non-empty strings")
@@ -27,8 +39,8 @@ def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int =
         raise SpecDecodeError(f"stop strings must hold at most {STOP_CHARS_MAX} characters in all, "
                               f"got {sum(map(len, stops))}")
     for name, value in (("tree_width", tree_width), ("tree_depth", tree_depth), ("tree_nodes", tree_nodes)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
+        if value is not None:
+            positive_int(name, value)
         if value is not None and not m.tree_options:
             takes = " or ".join(repr(n) for n, t in METHOD_TABLE.items() if t.tree_options)
             raise SpecDecodeError(f"{name} applies to method {takes} only (method is {method!r})")
@@ -39,6 +51,7 @@ def tree_nodes_cap(request, lms) -> int:
     """The most tree nodes one pass of this request may verify: what every model's cache holds (LM.max_tree_nodes)
     and at most FIXED_TREE_NODES (a tree of fixed width grows up to width**2 nodes per depth). SpecDecodeError
     naming the parameter when the request asks for a tree that a model's cache cannot hold."""
+    from .planning.planner import MAX_DEPTH
     caps = [lm.max_tree_nodes for lm in lms if lm is not None and lm.max_tree_nodes is not None]
     cap = min(caps, default=None)
     if cap is not None and request.tree_nodes is not None and request.tree_nodes > cap:

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from .backends import as_lm
-from .checks import check_request, tree_nodes_cap
+from .checks import check_request, positive_int, tree_nodes_cap
 from .drafters import (DRAFT_WINDOW, Datastore, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, followed, tokenizer_fingerprint)
 from .errors import SpecDecodeError
@@ -124,11 +124,10 @@ class Engine:
         if target is None:
             target = DEFAULT_TARGET
             draft = draft or DEFAULT_DRAFT
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads <= 0):
-            raise SpecDecodeError(f"threads must be a positive integer, got {threads!r}")
+        if threads is not None:
+            positive_int("threads", threads)
         if draft_vocab is not None:  # before loading anything
-            if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab <= 0:
-                raise SpecDecodeError(f"draft_vocab must be a positive integer, got {draft_vocab!r}")
+            positive_int("draft_vocab", draft_vocab)
             if draft:
                 check_draft_vocab(draft, backend, device)
             if draft_vocab_from is None and datastore is None:

@@ -39,6 +39,7 @@ def add_parser(sub) -> None:
 
 
 def bench(args) -> None:
+    from ..checks import positive_int
     from ..commands import require_extra, tree_kwargs
     require_extra("bench")
     from . import (check_methods, default_methods, load_prompts, needs_draft_model, parse_methods, report,
@@ -47,8 +48,8 @@ def bench(args) -> None:
     from ..engine import Engine
     from ..methods import DEFAULT_METHOD, names_where
     methods = parse_methods(args.methods) if args.methods else None
-    if args.limit is not None and args.limit <= 0:
-        raise SpecDecodeError(f"--limit must be positive, got {args.limit}")
+    if args.limit is not None:
+        positive_int("--limit", args.limit)
     prompts = load_prompts(args.prompts, args.limit, all_turns=args.all_turns)
     check_server_peers(methods or [], args.llama_server, args.temperature)  # before any model loads
     tree = tree_kwargs(args)

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..checks import positive_int
 from ..errors import SpecDecodeError
 
 
@@ -129,9 +130,10 @@ def loadtest(args) -> int:
         return soak(args, _servers(args.server), _prompts(args) if args.prompts else None)
     servers, peers = _servers(args.server), _peers(args.launch)
     levels = _levels(args.concurrency)
-    if args.max_tokens <= 0 or args.rounds <= 0 or (args.limit is not None and args.limit <= 0) or (
-            args.requests is not None and args.requests <= 0):
-        raise SpecDecodeError("--max-tokens, --rounds, --limit and --requests must be positive")
+    for flag, value in (("--max-tokens", args.max_tokens), ("--rounds", args.rounds), ("--limit", args.limit),
+                        ("--requests", args.requests)):
+        if value is not None:
+            positive_int(flag, value)
     binary = args.llama_server or (str(ls.find_binary()) if ls.find_binary() else None)
     if args.build_llama_server and binary is None:
         binary = str(ls.build(src=args.llama_src, jobs=args.jobs) / "llama-server")
