@@ -151,7 +151,7 @@ def run(target, drafter, prompt, gamma, n, params=GREEDY, seed=0, eos=frozenset(
     return out, stats
 
 
-# ============================================================= tree shapes (test_kv_tree, test_llamacpp)
+# ============================================================= tree shapes (test_lm_contract)
 
 def random_tree(n, seed):
     """Local parents (-1 = the root) of a random tree with n nodes, parent before child."""

@@ -86,3 +86,21 @@ def write_tiny_gguf(path: Path, seed: int, *, vocab_extra: int = 0, layers: int 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def exact_lm(path: Path, threads: int = 1):
+    """A LlamaLM on a context with F32 keys/values and flash attention off: its attention does not depend on where
+    a cell sits in the KV buffer (only llama.cpp's context parameters differ from the default context)."""
+    import llama_cpp
+    import pytest
+    from specdecode.backends.llamacpp import LlamaLM
+    default_params = llama_cpp.llama_context_default_params
+
+    def params():
+        p = default_params()
+        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k = p.type_v = llama_cpp.GGML_TYPE_F32
+        return p
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama_cpp, "llama_context_default_params", params)
+        return LlamaLM(path, threads=threads)

@@ -1,6 +1,8 @@
 """The llama.cpp backend (llamacpp.LlamaLM) on tiny random F32 GGUF models (tinygguf.py), through the
-real code paths: both loaders, tree passes, the KV rollback invariant, the engine (greedy equality
-and a sampled distribution test with a negative control), and bad input.
+real code paths: both loaders, long chains, sequence ids that refused passes give back, the engine (greedy
+equality and a sampled distribution test with a negative control), and bad input. Tree passes and the KV
+rollback invariant, the LM contract both backends keep, are in test_lm_contract.py (run there on llama.cpp's
+default and exact contexts too).
 
 Numerics. llama.cpp's default CPU context keeps keys and values in F16 and runs flash attention, which
 accumulates in reduced precision in the order cells sit in the KV buffer. So, on these models:
@@ -12,7 +14,7 @@ accumulates in reduced precision in the order cells sit in the KV buffer. So, on
   kept cells in the buffer: the rollback invariant holds to ~3.5e-3 on the default context.
   The same tests on a context with F32 keys/values and flash attention off (`exact_lm`: only llama.cpp's
   context parameters differ) agree to ~1.4e-6 and with transformers to ~2.4e-6, which shows the cache
-  holds exactly the right entries. The LM-level tests run on both contexts.
+  holds exactly the right entries. The LM-level tests run on both contexts (tinygguf.exact_lm).
 - greedy speculative output may therefore leave plain decoding's only where the target's top-2 logits
   tie (within TIE, or TIE_EXACT on the exact context); the engine tests check exactly that.
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import importlib
 
 import os
-import random
 import sys
 import textwrap
 from types import SimpleNamespace
@@ -44,8 +45,8 @@ from specdecode.backends import CachedLM  # noqa: E402
 from specdecode.backends.llamacpp import LlamaLM  # noqa: E402
 from specdecode.backends import cache_dir, load_lm, resolve_backend  # noqa: E402
 from specdecode.sampling import probs_from_logits  # noqa: E402
-from helpers import (BRANCHES, CHEAP, EXPENSIVE, SHAPES, accept_everything, gof_pvalue, no_residual_update,  # noqa: E402
-                     path_of, random_tokens, random_tree, residual_is_p, run_child)
+from helpers import (CHEAP, EXPENSIVE, accept_everything, gof_pvalue, no_residual_update,  # noqa: E402
+                     residual_is_p, run_child)
 from tiny import byte_tokenizer, tiny_model  # noqa: E402
 from tinygguf import write_tiny_gguf  # noqa: E402
 
@@ -58,7 +59,6 @@ ROOT = 61
 # Tolerances (max abs logit difference; logits of these models are of size ~5; measured values in brackets)
 LOADERS_TOL = 4e-3  # llama.cpp vs transformers fp32, every position of every prompt: default context [2.6e-3]
 LOADERS_TOL_EXACT = 1e-5  # ... and on the exact context (F32 KV, no flash attention) [2.4e-6]
-PADDED_TOL = 2e-6  # a tree node vs its path in a chain pass of the same size [default: 0.0, exact: 7.2e-7]
 CHAIN_TOL = 1e-5  # a tree node vs a fresh prefill of its path [9.5e-7]
 # after rollbacks, against a fresh prefill: default context [2.5e-3 here; 3.5e-3 seen for plain chains],
 # F32 KV without flash attention [1.4e-6]
@@ -111,18 +111,7 @@ def module_cache(tmp_path_factory):
 
 
 def exact_lm(path) -> LlamaLM:
-    """A LlamaLM on a context with F32 keys/values and flash attention off: its attention does not
-    depend on where a cell sits in the KV buffer (only llama.cpp's context parameters differ)."""
-    default_params = llama_cpp.llama_context_default_params
-
-    def params():
-        p = default_params()
-        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        p.type_k = p.type_v = llama_cpp.GGML_TYPE_F32
-        return p
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llama_cpp, "llama_context_default_params", params)
-        return LlamaLM(path, threads=THREADS)
+    return tinygguf.exact_lm(path, threads=THREADS)
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +119,6 @@ def lms(files):
     """{config: (lm under test, reference for fresh prefills)} for the default and the exact context."""
     return {"default": (LlamaLM(files.target, threads=THREADS), LlamaLM(files.target, threads=THREADS)),
             "exact": (exact_lm(files.target), exact_lm(files.target))}
-
-
-@pytest.fixture(params=["default", "exact"])
-def pair(request, lms):
-    lm, ref = lms[request.param]
-    lm.reset()
-    return lm, ref, ROLLBACK_TOL[request.param]
 
 
 def fresh(ref: LlamaLM, ids: list[int]) -> torch.Tensor:
@@ -149,11 +131,6 @@ def assert_close(got, want, tol, what=""):
     diff = (got - want).abs().max().item()
     assert diff <= tol, f"{what}: max |logit difference| {diff:.3g} > {tol:.3g}"
     return diff
-
-
-def tree_pass(lm, root, tokens, local_parents):
-    start = len(lm)
-    return lm.forward([root] + tokens, parents=[start - 1] + [start + 1 + p for p in local_parents])
 
 
 def load_engine(target, draft=None, **kw) -> Engine:
@@ -227,68 +204,7 @@ def test_backend_resolution(files, tiny_dirs):
         resolve_backend("llama.cpp", str(tiny_dirs[0]), "cpu")
 
 
-# ============================================================= 2. tree passes
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_tree_pass_equals_chain(pair, shape):
-    """Every node of a tree pass gets the logits of its path run as a chain: bit for bit in a chain pass
-    of the same size (filler tokens after the path, which causal attention hides from it), and within
-    CHAIN_TOL in a fresh prefill of the path alone."""
-    lm, ref, _ = pair
-    local = SHAPES[shape]
-    tokens = random_tokens(len(local), seed=len(shape))
-    lm.forward(PROMPT)
-    logits = tree_pass(lm, ROOT, tokens, local)
-    assert lm.ids == PROMPT + [ROOT] + tokens and logits.shape == (1 + len(tokens), V)
-    n = len(tokens) + 1
-    for j in range(-1, len(tokens)):
-        chain = [ROOT] + [tokens[k] for k in (path_of(local, j) if j >= 0 else [])]
-        ref.reset()
-        ref.forward(PROMPT)
-        padded = ref.forward(chain + [0] * (n - len(chain)))[len(chain) - 1]
-        assert_close(logits[j + 1], padded, PADDED_TOL, f"node {j} vs padded chain")
-        assert_close(logits[j + 1], fresh(ref, PROMPT + chain), CHAIN_TOL, f"node {j} vs fresh prefill")
-
-
-@pytest.mark.parametrize("shape", ["branches", "chain", "random"])
-def test_tree_pass_on_empty_cache_and_last_only(pair, shape):
-    lm, ref, _ = pair
-    local = SHAPES[shape]
-    tokens = random_tokens(len(local), seed=5)
-    logits = lm.forward([ROOT] + tokens, parents=[-1] + [1 + p for p in local])
-    assert lm.ids == [ROOT] + tokens
-    for j in range(len(tokens)):
-        assert_close(logits[j + 1], fresh(ref, [ROOT] + [tokens[k] for k in path_of(local, j)]), CHAIN_TOL, f"node {j}")
-    lm.reset()
-    lm.forward(PROMPT)
-    start = len(lm)
-    last = lm.forward([ROOT] + tokens, last_only=True, parents=[start - 1] + [start + 1 + p for p in local])
-    assert last.shape == (1, V)
-    text = PROMPT + [ROOT] + [tokens[k] for k in path_of(local, len(local) - 1)]
-    assert_close(last[0], fresh(ref, text), CHAIN_TOL, "last_only")
-
-
-def test_tree_passes_in_a_row(pair):
-    """Draft-model style: passes of children hanging off nodes cached by earlier passes (their sequence
-    ids are copied from the cached ancestor), without a rollback in between."""
-    lm, ref, tol = pair
-    lm.forward(PROMPT)
-    p = len(PROMPT)
-    text = {p - 1: PROMPT}
-    for tokens, parents in (([ROOT, 20, 21, 20], [p - 1, p, p, p]),  # root + three children (two alike)
-                            ([30, 31, 30], [p + 1, p + 3, p + 1]),  # children of the first and third
-                            ([40, 41, 42, 43], [p + 5, p + 2, p + 6, p + 7])):  # deeper, and a new node's child
-        start = len(lm)
-        logits = lm.forward(tokens, parents=parents)
-        for k, (tok, par) in enumerate(zip(tokens, parents)):
-            text[start + k] = text[par] + [tok]
-            assert_close(logits[k], fresh(ref, text[start + k]), CHAIN_TOL, f"entry {start + k}")
-    assert len(lm) == p + 11
-    # keep a branch made over three passes: the root (p), 20 (p+3), 31 (p+5), 40 (p+7)
-    lm.rollback(p, [p, p + 3, p + 5, p + 7])
-    assert lm.ids == text[p + 7]
-    assert_close(lm.forward([77])[-1], fresh(ref, text[p + 7] + [77]), tol, "after the branch")
+# ============================================================= 2. long chains and sequence ids
 
 
 @pytest.mark.parametrize("config", ["default", "exact"])
@@ -313,159 +229,6 @@ def test_chain_longer_than_a_batch(files, config):
     assert_close(lm.forward([77])[-1], fresh(ref, ids[:300] + [77]), tol, "after rollback(300)")
 
 
-# ============================================================= 3. the rollback invariant
-#
-# After any rollback, the cache must behave like a fresh prefill of what it keeps: the next token's
-# logits are compared with a fresh prefill (tolerance per context, see ROLLBACK_TOL).
-
-FORMS = ["root_in_path", "after_root"]
-
-
-def keep_branch(lm, root, branch, form):
-    if form == "after_root":
-        lm.rollback(root + 1, branch)
-    else:
-        lm.rollback(root, [root] + list(branch))
-
-
-def test_chain_rollbacks(pair):
-    lm, ref, tol = pair
-    prefix, draft = [5, 17, 42, 99, 3, 8], [11, 12, 13, 14, 15]
-    lm.forward(prefix[:-1])
-    lm.forward([prefix[-1]] + draft)
-    for keep in (4, 2, 0):  # accept 4, then 2, then 0 draft tokens
-        lm.rollback(len(prefix) + keep)
-        assert lm.ids == prefix + draft[:keep]
-        assert_close(lm.forward([77])[-1], fresh(ref, prefix + draft[:keep] + [77]), tol, f"keep {keep}")
-        lm.rollback(len(prefix) + keep)
-    lm.rollback(2)  # deep inside the committed text
-    assert_close(lm.forward([78, 79])[-1], fresh(ref, prefix[:2] + [78, 79]), tol, "rollback(2)")
-    lm.rollback(0)
-    assert lm.ids == [] and lm.forward([9]).shape == (1, V)
-    with pytest.raises(ValueError):
-        lm.rollback(len(lm) + 1)
-
-
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("nodes", [[1, 5, 7, 9], [1, 5], [2, 8], [0, 4], [2], [0, 3], []])
-def test_tree_branch_rollback(pair, nodes, form):
-    lm, ref, tol = pair
-    tokens = random_tokens(len(BRANCHES), seed=7)
-    lm.forward(PROMPT)
-    tree_pass(lm, ROOT, tokens, BRANCHES)
-    root = len(PROMPT)
-    assert not nodes or path_of(BRANCHES, nodes[-1]) == nodes
-    committed = PROMPT + [ROOT] + [tokens[j] for j in nodes]
-    keep_branch(lm, root, [root + 1 + j for j in nodes], form)
-    assert lm.ids == committed and len(lm) == len(committed)
-    got = lm.forward([77, 78, 79])
-    for k in range(3):
-        assert_close(got[k], fresh(ref, committed + [77, 78, 79][:k + 1]), tol, f"token {k} after the branch")
-    # and a tree pass hangs off the compacted cache like off a fresh one
-    local = SHAPES["random"]
-    more = random_tokens(len(local), seed=18)
-    logits = tree_pass(lm, 80, more, local)
-    text = committed + [77, 78, 79, 80]
-    for j in range(len(more)):
-        assert_close(logits[j + 1], fresh(ref, text + [more[k] for k in path_of(local, j)]), tol, f"node {j}")
-
-
-def test_rollback_inside_the_trunk_after_a_tree(pair):
-    lm, ref, tol = pair
-    tokens = random_tokens(len(BRANCHES), seed=3)
-    lm.forward(PROMPT)
-    tree_pass(lm, ROOT, tokens, BRANCHES)
-    lm.rollback(4)  # drops the whole tree and three committed tokens
-    assert lm.ids == PROMPT[:4]
-    assert_close(lm.forward([77])[-1], fresh(ref, PROMPT[:4] + [77]), tol, "after rollback(4)")
-    # a tree, a branch kept, then a rollback into the committed text that the branch had joined
-    tree_pass(lm, ROOT, tokens, BRANCHES)
-    lm.rollback(5, [5, 7, 11])  # the root (5) and B (7) -> B1 (11)
-    assert lm.ids == PROMPT[:4] + [77, ROOT, tokens[1], tokens[5]]
-    lm.rollback(6)  # keeps the root, drops B and B1
-    assert_close(lm.forward([78])[-1], fresh(ref, PROMPT[:4] + [77, ROOT, 78]), tol, "rollback into the branch")
-
-
-def test_rollback_to_a_length_inside_the_tree(pair):
-    """rollback(length) with an empty path and `length` inside the tree keeps those tree nodes as they
-    are (siblings included); a later rollback then keeps a branch among them."""
-    lm, ref, tol = pair
-    tokens = random_tokens(len(BRANCHES), seed=11)
-    lm.forward(PROMPT)
-    tree_pass(lm, ROOT, tokens, BRANCHES)
-    root = len(PROMPT)
-    lm.rollback(root + 4)  # root, A, B, C stay (siblings); A1, A2, B1, ... go
-    assert lm.ids == PROMPT + [ROOT] + tokens[:3]
-    # a chain token hangs off the last entry, C
-    assert_close(lm.forward([77])[-1], fresh(ref, PROMPT + [ROOT, tokens[2], 77]), tol, "child of C")
-    # a tree pass hanging off A (cache root+1) and B (root+2)
-    logits = lm.forward([30, 31], parents=[root + 1, root + 2])
-    assert_close(logits[0], fresh(ref, PROMPT + [ROOT, tokens[0], 30]), tol, "child of A")
-    assert_close(logits[1], fresh(ref, PROMPT + [ROOT, tokens[1], 31]), tol, "child of B")
-    lm.rollback(root + 4)
-    lm.rollback(root + 1)  # reject every node: the root stays, as a tree entry or in the trunk
-    assert lm.ids == PROMPT + [ROOT]
-    assert_close(lm.forward([78])[-1], fresh(ref, PROMPT + [ROOT, 78]), tol, "root only")
-    lm.rollback(root + 1)
-    local = SHAPES["random"]
-    more = random_tokens(len(local), seed=12)
-    logits = tree_pass(lm, 79, more, local)
-    for j in range(len(more)):
-        assert_close(logits[j + 1], fresh(ref, PROMPT + [ROOT, 79] + [more[k] for k in path_of(local, j)]), tol, f"n{j}")
-
-
-def test_rollback_length_inside_the_tree_with_a_path(pair):
-    lm, ref, tol = pair
-    lm.forward(PROMPT)
-    a, b, c, a1 = 11, 12, 13, 14
-    lm.forward([ROOT, a, b, c, a1], parents=[6, 7, 7, 7, 8])  # a1 is a's child
-    lm.rollback(9, [11])  # keep prompt + root + a, then a1
-    assert lm.ids == PROMPT + [ROOT, a, a1]
-    assert_close(lm.forward([50])[-1], fresh(ref, PROMPT + [ROOT, a, a1, 50]), tol, "after the branch")
-
-
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("nodes", [[1, 6], [5], [5, 1], [7, 5, 1], [0, 0], [1, 5, 105]])
-def test_invalid_branch_raises_and_changes_nothing(pair, nodes, form):
-    lm, ref, tol = pair
-    tokens = random_tokens(len(BRANCHES), seed=4)
-    lm.forward(PROMPT)
-    tree_pass(lm, ROOT, tokens, BRANCHES)
-    root = len(PROMPT)
-    before = list(lm.ids)
-    with pytest.raises(ValueError, match="not a branch"):
-        keep_branch(lm, root, [root + 1 + j for j in nodes], form)
-    assert lm.ids == before
-    with pytest.raises(ValueError, match="not a branch"):
-        lm.rollback(root, [root + 1])  # A hangs off the root, not off the last prompt token
-    with pytest.raises(ValueError):
-        lm.rollback(len(lm) + 1)
-    lm.rollback(root, [root, root + 2, root + 6])  # a valid rollback still gives the right cache
-    committed = PROMPT + [ROOT, tokens[1], tokens[5]]
-    assert lm.ids == committed
-    assert_close(lm.forward([77])[-1], fresh(ref, committed + [77]), tol, "after the refused rollbacks")
-
-
-@pytest.mark.parametrize("parents", [
-    [6, 8, 7],  # token 1 is its own parent
-    [6, 9, 7],  # token 1's parent comes after it
-    [7, 7, 7],  # the root is its own parent
-    [-2, 7, 7],  # below -1
-    [6, 7],  # one parent too few
-    [6, 7, 3],  # token 2 hangs inside the committed text
-    [6, 7, -2],  # fails after token 1 got a sequence id
-])
-def test_bad_parents_raise_and_leave_the_cache_usable(pair, parents):
-    lm, ref, tol = pair
-    lm.forward(PROMPT)
-    with pytest.raises(ValueError):
-        lm.forward([ROOT, 11, 12], parents=parents)
-    assert lm.ids == PROMPT
-    assert_close(lm.forward([77])[-1], fresh(ref, PROMPT + [77]), tol, "after the refused pass")
-    with pytest.raises(ValueError, match="vocabulary"):
-        lm.forward([V])
-
-
 def test_refused_tree_passes_leak_no_sequence_ids(lms):
     """A tree pass refused for a bad parent must leave the cache as it was, sequence ids included: nodes
     fed before the bad one must not keep the ids they took. After 300 refused passes, every one refused
@@ -483,114 +246,7 @@ def test_refused_tree_passes_leak_no_sequence_ids(lms):
     assert_close(logits[254], fresh(ref, PROMPT + [90]), ROLLBACK_TOL["default"], "after refused passes")
 
 
-def test_many_rounds_of_tree_pass_and_rollback(pair):
-    """Engine style, 300 rounds: tree pass from the last committed token, then one of the rollbacks
-    (keep a branch, keep part of it, reject all, roll back into the tree then to the root); every id
-    must come back (3,600 nodes go through a cache that holds 255 at a time)."""
-    lm, ref, tol = pair
-    rng = random.Random(0)
-    committed = PROMPT + [ROOT]
-    lm.forward(committed[:-1])
-    for rnd in range(300):
-        local = random_tree(12, seed=rnd)
-        tokens = [rng.randrange(256) for _ in range(12)]
-        root = len(committed) - 1
-        assert len(lm) == root
-        tree_pass(lm, committed[-1], tokens, local)
-        kind = rnd % 4
-        nodes = path_of(local, rng.choice([j for j in range(12) if j not in local]))
-        if kind == 1:
-            nodes = nodes[:1]
-        elif kind == 2:
-            nodes = []
-        elif kind == 3:
-            lm.rollback(root + 1 + rng.randrange(12))  # into the tree, empty path
-            nodes = []
-        keep_branch(lm, root, [root + 1 + j for j in nodes], FORMS[rnd % 2])
-        committed += [tokens[j] for j in nodes]
-        committed.append(rng.randrange(256))  # the bonus token: committed, not yet cached
-        if len(committed) > 400:  # stay inside the 512-token context
-            lm.rollback(len(PROMPT))
-            committed = PROMPT + [committed[-1]]
-        assert lm.ids == committed[:-1]
-        if rnd % 50 == 49:
-            assert_close(lm.forward([committed[-1]])[-1], fresh(ref, committed), tol, f"round {rnd}")
-            lm.rollback(len(committed) - 1)
-    # all 255 ids are free again: 255 siblings fit in one pass, 256 do not
-    n = len(lm)
-    logits = lm.forward([90] * 255, parents=[n - 1] * 255)
-    assert_close(logits[254], fresh(ref, committed[:-1] + [90]), tol, "255th sibling")
-    assert_close(logits[0], logits[254], CHAIN_TOL, "identical siblings")
-    lm.rollback(n)
-    with pytest.raises(SpecDecodeError, match="255"):
-        lm.forward([90] * 256, parents=[n - 1] * 256)
-    assert len(lm) == n
-
-
-def test_random_operations_match_fresh_prefills(pair):
-    """Random sequences of tree passes (nodes off the trunk's end, off cached tree nodes from earlier
-    passes, off nodes of the same pass), branch rollbacks, rollbacks to any length and refused rollbacks:
-    every logits row equals a fresh prefill of the text of its entry."""
-    lm, ref, tol = pair
-    for seed in range(10):
-        rng = random.Random(seed)
-        lm.reset()
-        texts: list[list[int]] = []  # per cache entry: the text it ends (its path from the start)
-        parents: list[int] = []
-
-        def feed(tokens, pars):
-            logits = lm.forward(tokens, parents=pars)
-            for tok, par in zip(tokens, pars):
-                texts.append((texts[par] if par >= 0 else []) + [tok])
-                parents.append(par)
-            for k in range(len(tokens)):
-                entry = len(texts) - len(tokens) + k
-                assert_close(logits[k], fresh(ref, texts[entry]), tol, f"seed {seed}, entry {entry}")
-            assert lm.ids == [t[-1] for t in texts]
-
-        n0 = rng.randrange(1, 20)
-        feed([rng.randrange(256) for _ in range(n0)], list(range(-1, n0 - 1)))
-        for _ in range(40):
-            op = rng.random()
-            if op < 0.45 or not texts:
-                start, k = len(texts), rng.randrange(1, 12)
-                hangs = [lm.trunk - 1] + list(range(lm.trunk, start))  # the trunk's end, or any tree entry
-                pars = [rng.choice(hangs + list(range(start, start + b))) for b in range(k)]
-                feed([rng.choice([7, 11, 13, 200, 201]) for _ in range(k)], pars)
-            elif op < 0.75:  # keep a branch: a chain from the start, cut anywhere
-                chain, a = [], rng.randrange(len(texts))
-                while a >= 0:
-                    chain.append(a)
-                    a = parents[a]
-                chain.reverse()
-                plain = 0
-                while plain < len(chain) and chain[plain] == plain:
-                    plain += 1
-                length = rng.randrange(0, plain + 1)
-                path = chain[length:rng.randrange(length, len(chain) + 1)]
-                lm.rollback(length, path)
-                keep = list(range(length)) + path
-                index = {old: new for new, old in enumerate(keep)}
-                texts = [texts[o] for o in keep]
-                parents = [index[parents[o]] if parents[o] >= 0 else -1 for o in keep]
-            elif op < 0.9:
-                length = rng.randrange(0, len(texts) + 1)
-                lm.rollback(length)
-                texts, parents = texts[:length], parents[:length]
-            else:  # a path that does not hang off entry length-1: refused, nothing changes
-                length = rng.randrange(0, len(texts))
-                bad = [j for j in range(length, len(texts)) if parents[j] != length - 1]
-                if bad:
-                    before = list(lm.ids)
-                    with pytest.raises(ValueError):
-                        lm.rollback(length, [rng.choice(bad)])
-                    assert lm.ids == before
-            assert lm.ids == [t[-1] for t in texts]
-            if len(texts) > 300:
-                break
-
-
-# ============================================================= 4. the engine, greedy
+# ============================================================= 3. the engine, greedy
 
 GREEDY_PROMPTS = ["hello world", "def quicksort(arr):\n", "abcabcabcabc", "x"]  # "x" ends at EOS (76 tokens)
 N_GREEDY = 200
@@ -736,7 +392,7 @@ def test_generation_stops_at_the_context_limit(files, module_cache):
             eng.generate("y" * 256, method=method, max_new_tokens=5)
 
 
-# ============================================================= 5. the engine, sampled
+# ============================================================= 4. the engine, sampled
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=4)
 SAMPLED_PROMPT = "foo"  # beta = sum(min(p, q)) ~0.56 for the first token and ~0.58 for the second
@@ -817,7 +473,7 @@ def test_sampled_tree_keeps_the_target_distribution(near_engine, law, monkeypatc
     assert p_bad < ALPHA, p_bad
 
 
-# ============================================================= 6. bad input
+# ============================================================= 5. bad input
 
 
 def leftovers(root):
