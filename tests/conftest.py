@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import byte_tokenizer, save_tiny, tiny_model  # noqa: E402
+from tiny import build_engine, save_tiny  # noqa: E402
 
 # Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait for a busy core
 # make them many times slower on a shared 2-core machine. The default-pair test restores the default.
@@ -32,10 +32,17 @@ def tiny_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_engine():
-    from specdecode import Engine
-    tok = byte_tokenizer()
-    return Engine(tiny_model(0), tok, tiny_model(1), tok)
+def make_engine():
+    """The Engine factory on the tiny fp32 models: make_engine(target=0, draft=1, tokenizer=None, *, costs=None,
+    progress=None, **Engine kwargs) builds a fresh Engine (tiny.build_engine); draft=None leaves the draft out.
+    Session-scoped (it holds no state), so module fixtures can use it too."""
+    return build_engine
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(make_engine):
+    """One Engine on the tiny models (target seed 0, draft seed 1) shared by the whole session."""
+    return make_engine()
 
 
 @pytest.fixture(autouse=True)

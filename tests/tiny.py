@@ -69,3 +69,20 @@ def save_tiny(path: Path, seed: int, **kwargs) -> Path:
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+def build_engine(target: int = 0, draft: int | None = 1, tokenizer=None, *, costs=None, progress: bool | None = None,
+                 **engine_kwargs):
+    """An Engine on tiny_model(target) with the draft tiny_model(draft) (draft=None: no draft model), both read with
+    `tokenizer` (byte_tokenizer() by default); `costs` and `progress`, when given, are set on it; the other keyword
+    arguments go to Engine (history_tokens, datastore, draft_window, exact, prompt_cache). conftest.py's
+    `make_engine` fixture hands this out."""
+    from specdecode import Engine
+    tok = byte_tokenizer() if tokenizer is None else tokenizer
+    engine = Engine(tiny_model(target), tok, None if draft is None else tiny_model(draft),
+                    None if draft is None else tok, **engine_kwargs)
+    if costs is not None:
+        engine.costs = costs
+    if progress is not None:
+        engine.progress = progress
+    return engine

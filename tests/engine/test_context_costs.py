@@ -214,12 +214,11 @@ def test_short_context_draft_keeps_drafting_with_a_window():
     assert out.stats.strategies == {"plain": 1, "draft": out.stats.target_forwards - 1}
 
 
-def test_bad_draft_window():
-    tok = byte_tokenizer()
+def test_bad_draft_window(make_engine):
     from specdecode.errors import SpecDecodeError
     for bad in (0, -3, 2.5, True):
         with pytest.raises(SpecDecodeError, match="draft_window"):
-            Engine(tiny_model(0), tok, tiny_model(1), tok, draft_window=bad)
+            make_engine(draft_window=bad)
 
 
 # ============================================================= 4. catch-up in auto's decision
@@ -297,11 +296,10 @@ def test_can_pay_is_judged_at_every_measured_context():
     assert not draft_model_can_pay(CostModel(costs.target, costs.draft))
 
 
-def test_auto_never_verifies_below_a_plain_step(step_clock):
+def test_auto_never_verifies_below_a_plain_step(step_clock, make_engine):
     """Lookup guesses are verified only where the modelled rate beats a plain step at this context:
     with passes that cost what they hold, nothing is verified."""
-    tok = byte_tokenizer()
-    engine = Engine(tiny_model(0), tok)
+    engine = make_engine(draft=None)
     engine.costs = CostModel({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 32: 32.0})
     out = engine.generate("abcabcabcabcabcabc", method="auto", max_new_tokens=20)
     assert out.stats.drafted == 0 and out.stats.predicted_speedup == pytest.approx(1.0)

@@ -175,9 +175,8 @@ def test_engine_generate_text_and_stats(tiny_engine):
             assert key in d
 
 
-def test_stream_concatenates_to_text_and_never_splits_characters():
-    tok = byte_tokenizer()
-    engine = Engine(tiny_model(2), tok)
+def test_stream_concatenates_to_text_and_never_splits_characters(make_engine):
+    engine = make_engine(2, draft=None)
     # a byte tokenizer emits multi-byte UTF-8 characters in pieces: the stream must hold them back
     deltas = list(engine.stream("日本語のテキスト", method="pld", max_new_tokens=120, temperature=1.0, seed=1))
     result = engine.generate("日本語のテキスト", method="pld", max_new_tokens=120, temperature=1.0, seed=1)
@@ -227,8 +226,8 @@ def test_bad_input_is_a_clear_error(tiny_engine, kwargs, match):
         tiny_engine.generate(kwargs.pop("prompt"), **kwargs)
 
 
-def test_draft_method_without_draft_model():
-    engine = Engine(tiny_model(0), byte_tokenizer())
+def test_draft_method_without_draft_model(make_engine):
+    engine = make_engine(draft=None)
     with pytest.raises(SpecDecodeError, match="draft model"):
         engine.generate("hi", method="draft")
 
@@ -260,12 +259,11 @@ def test_sliding_window_model_rolls_back_past_the_window():
     assert spec == plain and stats.rejections > 0
 
 
-def test_two_streams_on_one_engine_never_corrupt_each_other():
+def test_two_streams_on_one_engine_never_corrupt_each_other(make_engine):
     """The models hold one KV cache each: a second stream that starts while one is open is refused with a
     clear error (the open one goes on undisturbed); a stream that ended, was closed or was dropped frees it."""
     import gc
-    tok = byte_tokenizer()
-    engine = Engine(tiny_model(0), tok, tiny_model(1), tok)
+    engine = make_engine()
     ref = engine.generate("abc", method="draft", max_new_tokens=24)
     a = iter(engine.stream("abc", method="draft", max_new_tokens=24))
     first = next(a)

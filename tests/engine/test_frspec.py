@@ -5,19 +5,17 @@ import torch
 from specdecode import Engine, SpecDecodeError
 from specdecode.drafters import build_datastore, tokenizer_fingerprint
 from helpers import CHEAP
-from tiny import byte_tokenizer, tiny_model
+from tiny import byte_tokenizer
 
 TEXT = "def add(a, b):\n    return a + b\n\nhello world, hello there\n" * 4
 
 
 @pytest.fixture
-def engine(tmp_path):
+def engine(tmp_path, make_engine):
     tok = byte_tokenizer()
     build_datastore([tok(TEXT, add_special_tokens=False)["input_ids"]], tmp_path / "ds", tokenizer_fingerprint(tok),
                     vocab_size=len(tok.get_vocab()), progress=False)
-    eng = Engine(tiny_model(0), tok, tiny_model(1), tok, datastore=str(tmp_path / "ds"))
-    eng.costs, eng.progress = CHEAP, False
-    return eng
+    return make_engine(tokenizer=tok, datastore=str(tmp_path / "ds"), costs=CHEAP, progress=False)
 
 
 def test_truncated_draft_keeps_greedy_output_and_proposes_only_kept_tokens(engine):
@@ -45,12 +43,11 @@ def test_truncated_draft_keeps_greedy_output_and_proposes_only_kept_tokens(engin
         engine.truncate_draft_vocab(5)
 
 
-def test_draft_vocab_errors(tmp_path, tiny_dirs):
-    tok = byte_tokenizer()
+def test_draft_vocab_errors(tmp_path, tiny_dirs, make_engine):
     with pytest.raises(SpecDecodeError, match="needs a draft model"):
-        Engine(tiny_model(0), tok).truncate_draft_vocab(10, str(tmp_path))
+        make_engine(draft=None).truncate_draft_vocab(10, str(tmp_path))
     with pytest.raises(SpecDecodeError, match="needs token frequencies"):
-        Engine(tiny_model(0), tok, tiny_model(1), tok).truncate_draft_vocab(10)
+        make_engine().truncate_draft_vocab(10)
     from tinygguf import write_tiny_gguf
     target, draft = tiny_dirs
     for kw, msg in ((dict(draft_vocab=0, datastore=str(tmp_path)), "positive"),

@@ -4,7 +4,6 @@ import argparse
 import dataclasses
 
 import pytest
-from tiny import byte_tokenizer, tiny_model
 
 from specdecode import METHODS, Engine, SpecDecodeError
 from specdecode import bench, methods
@@ -93,13 +92,12 @@ FAKE = Method("fake", "a test's method: prompt lookup under another name", uses_
               build=lambda engine, request: PromptLookup())
 
 
-def test_a_method_added_to_the_table_is_accepted_and_builds_its_drafter(monkeypatch):
+def test_a_method_added_to_the_table_is_accepted_and_builds_its_drafter(monkeypatch, make_engine):
     monkeypatch.setitem(METHOD_TABLE, "fake", FAKE)
     Engine.check(method="fake", gamma=3)  # accepted
     with pytest.raises(SpecDecodeError, match="tree_width applies to method 'tree' only"):
         Engine.check(method="fake", tree_width=2)
-    tok = byte_tokenizer()
-    engine = Engine(tiny_model(0), tok)
+    engine = make_engine(draft=None)
     assert isinstance(engine._drafter("fake", 3, Engine.check(method="fake")), PromptLookup)
     out = engine.generate("abcabcabcabc", method="fake", gamma=3, max_new_tokens=12)
     plain = engine.generate("abcabcabcabc", method="autoregressive", max_new_tokens=12)

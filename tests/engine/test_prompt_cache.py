@@ -90,14 +90,14 @@ def test_a_generation_that_fails_leaves_nothing_to_reuse(engines, monkeypatch, e
     assert out.token_ids == fresh.generate(FIRST + " x", method="autoregressive", max_new_tokens=8).token_ids
 
 
-def test_the_server_reuses_a_prompt_for_the_same_api_key_only():
+def test_the_server_reuses_a_prompt_for_the_same_api_key_only(make_engine):
     """`serve` (prompt cache on): the cached part shows in the response's speculation stats; a request with another
     key reads its prompt whole, so that its latency tells nothing of another client's text."""
     import httpx
     from helpers import LiveServer
     from specdecode.server import create_app
     tok = byte_tokenizer()
-    engine = Engine(tiny_model(0), tok, prompt_cache=True)
+    engine = make_engine(draft=None, tokenizer=tok, prompt_cache=True)
     srv = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1))
     try:
         def cached(key: str) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny import char_tokenizer, tiny_model
+from tiny import build_engine, char_tokenizer
 
 from specdecode import Engine, SpecDecodeError
 from specdecode.planning.costs import CostModel
@@ -19,10 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 
 
 def engine(costs, seed=0):
-    tok = char_tokenizer()
-    e = Engine(tiny_model(seed), tok, tiny_model(1), tok)
-    e.costs, e.progress = costs, False
-    return e
+    return build_engine(seed, tokenizer=char_tokenizer(), costs=costs, progress=False)  # (conftest's make_engine)
 
 
 @pytest.fixture(scope="module")

@@ -404,12 +404,8 @@ def test_load_or_measure_remeasures_a_malformed_table(wide_models, monkeypatch, 
     assert costs.t(2) == pytest.approx(0.02)
 
 
-def test_engine_measures_costs_once(monkeypatch):
-    from specdecode import Engine
-    from tiny import byte_tokenizer
-    tok = byte_tokenizer()
-    engine = Engine(tiny_model(0), tok, tiny_model(1), tok)
-    engine.progress = False
+def test_engine_measures_costs_once(monkeypatch, make_engine):
+    engine = make_engine(progress=False)
     calls = []
 
     def fake(lm, sizes, **kw):  # no timing: a fixed table (and no dependence on the machine's speed)
@@ -421,8 +417,7 @@ def test_engine_measures_costs_once(monkeypatch):
     assert len(calls) == 2 and engine.costs is not None  # target and draft, once
     assert engine.costs.t(4) == pytest.approx(0.014) and engine.costs.d(2) == pytest.approx(0.012)
     # a new engine for the same models reads the cached file
-    other = Engine(tiny_model(0), tok, tiny_model(1), tok)
-    other.progress = False
+    other = make_engine(progress=False)
     assert other.tree_costs().target == engine.costs.target
     assert len(calls) == 2
 

@@ -228,9 +228,8 @@ def test_stop_refuses_the_waiting_jobs(worker):
 def _silent_stream(max_new_tokens: int, step_s: float = 0.005):
     """A real Engine stream whose steps emit no text (as while a stop string's prefix is held back, or special
     tokens are skipped), step_s per step."""
-    from specdecode import Engine
-    from tiny import byte_tokenizer, tiny_model
-    engine = Engine(tiny_model(0), byte_tokenizer())
+    from tiny import build_engine  # (conftest's make_engine)
+    engine = build_engine(draft=None)
     engine.eos_ids = set()
     engine.decode = lambda ids: ""
     forward = engine.target.forward

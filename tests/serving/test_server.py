@@ -17,7 +17,7 @@ import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from prometheus_client.parser import text_string_to_metric_families
 from helpers import LiveServer
-from tiny import byte_tokenizer, tiny_model
+from tiny import build_engine, byte_tokenizer
 
 from specdecode import METHODS, Engine, SpecDecodeError
 from specdecode.cli import main
@@ -28,11 +28,6 @@ KEY = "sk-test-0123456789"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
-
-
-def make_engine() -> Engine:
-    tok = byte_tokenizer()
-    return Engine(tiny_model(0), tok, tiny_model(1), tok)
 
 
 @pytest.fixture(scope="module")
@@ -289,8 +284,7 @@ ROLE_ORDER_TEMPLATE = (  # as templates that check the conversation do (Llama 2'
 def test_a_chat_template_error_and_a_lone_surrogate_are_the_clients_400():
     tok = byte_tokenizer()
     tok.chat_template = ROLE_ORDER_TEMPLATE
-    srv = LiveServer(create_app(Engine(tiny_model(0), tok, tiny_model(1), tok), model_id=MODEL, method="pld",
-                                gamma=2))
+    srv = LiveServer(create_app(build_engine(tokenizer=tok), model_id=MODEL, method="pld", gamma=2))
     try:
         url = f"{srv.url}/v1/chat/completions"
         for stream in (False, True):
@@ -374,7 +368,7 @@ def test_the_prompt_is_tokenized_once(live, tiny_engine, monkeypatch, chat, stre
 
 
 def test_a_queued_stream_gets_its_headers_at_once_and_keepalives():
-    ctl = ControlledEngine(make_engine())
+    ctl = ControlledEngine(build_engine())
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, keepalive_s=0.2))
     try:
         ctl.gate.clear()
@@ -574,7 +568,7 @@ def wait_for(cond, timeout=30.0):
 
 
 def test_queue_full_gives_503_with_retry_after():
-    ctl = ControlledEngine(make_engine())
+    ctl = ControlledEngine(build_engine())
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, max_queue=1))
     try:
         url = f"{srv.url}/v1/completions"
@@ -600,7 +594,7 @@ def test_queue_full_gives_503_with_retry_after():
 
 
 def test_disconnect_mid_stream_stops_generation_and_frees_the_worker():
-    ctl = ControlledEngine(make_engine(), delay=0.01)
+    ctl = ControlledEngine(build_engine(), delay=0.01)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="draft", gamma=3, max_queue=1))
     try:
         body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 400, "stream": True}
@@ -623,7 +617,7 @@ def test_disconnect_mid_stream_stops_generation_and_frees_the_worker():
 
 
 def test_disconnect_while_queued_frees_the_place():
-    ctl = ControlledEngine(make_engine())
+    ctl = ControlledEngine(build_engine())
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="pld", gamma=2, max_queue=1))
     try:
         url = f"{srv.url}/v1/completions"
@@ -650,7 +644,7 @@ def test_disconnect_while_queued_frees_the_place():
 
 
 def test_timeouts():
-    ctl = ControlledEngine(make_engine(), delay=0.02)
+    ctl = ControlledEngine(build_engine(), delay=0.02)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, timeout_s=0.6))
     try:
         url = f"{srv.url}/v1/completions"
@@ -777,7 +771,7 @@ def test_serve_command_matches_generate(tiny_dirs, capsys):
 
 # -- schemathesis over the app's own OpenAPI document ----------------------------------------------------------------
 # Built at import: schemathesis.pytest.from_fixture does not work with this pytest (it reads a private attribute).
-FUZZ_APP = create_app(make_engine(), model_id=MODEL, method="pld", gamma=2, max_tokens_cap=8)
+FUZZ_APP = create_app(build_engine(), model_id=MODEL, method="pld", gamma=2, max_tokens_cap=8)
 schema = schemathesis.openapi.from_asgi("/openapi.json", FUZZ_APP)
 
 
@@ -849,7 +843,7 @@ class OneThreadTokenizer:
 def test_the_tokenizer_is_never_used_by_two_threads_at_once():
     """Request handlers tokenize (in a thread pool) while the worker thread decodes: one lock serializes them."""
     tok = OneThreadTokenizer(byte_tokenizer())
-    engine = Engine(tiny_model(0), tok, tiny_model(1), tok)
+    engine = build_engine(tokenizer=tok)
     srv = LiveServer(create_app(engine, model_id=MODEL, method="pld", gamma=2, max_queue=16))
     try:
         def ask(i):
@@ -867,7 +861,7 @@ def test_the_tokenizer_is_never_used_by_two_threads_at_once():
 
 def test_a_non_streamed_client_that_goes_away_frees_the_worker_while_text_flows():
     """Deltas keep coming every 10 ms, yet the server notices within a poll that the client is gone."""
-    ctl = ControlledEngine(make_engine(), delay=0.01)
+    ctl = ControlledEngine(build_engine(), delay=0.01)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     try:
         body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 450}
@@ -884,7 +878,7 @@ def test_a_non_streamed_client_that_goes_away_frees_the_worker_while_text_flows(
 
 
 def test_cost_measurement_happens_at_start_up_never_in_a_request():
-    engine = make_engine()
+    engine = build_engine()
     srv = LiveServer(create_app(engine, model_id=MODEL, method="draft", gamma=3))  # a method without costs
     try:
         assert engine.costs is not None  # measured before the first request, for any method a request may ask for
@@ -893,7 +887,7 @@ def test_cost_measurement_happens_at_start_up_never_in_a_request():
 
 
 def test_shutdown_while_a_pass_runs_ends_the_stream_with_an_error_event():
-    ctl = ControlledEngine(make_engine(), delay=0.02)
+    ctl = ControlledEngine(build_engine(), delay=0.02)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 400, "stream": True}
     with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
@@ -923,7 +917,7 @@ def test_a_job_taken_but_not_started_at_shutdown_still_ends_with_an_error(monkey
         return run(self, job, *args, **kwargs)
 
     monkeypatch.setattr(Worker, "_run", held_run)
-    srv = LiveServer(create_app(make_engine(), model_id=MODEL, method="autoregressive", gamma=1))
+    srv = LiveServer(create_app(build_engine(), model_id=MODEL, method="autoregressive", gamma=1))
     try:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "stream": stream}
         results = {}
@@ -992,7 +986,7 @@ class _FailingStream(_ControlledStream):
 
 @pytest.mark.parametrize("how", ["raise", "unserializable"])
 def test_an_error_after_the_stream_began_ends_it_with_an_error_event(how):
-    ctl = ControlledEngine(make_engine())
+    ctl = ControlledEngine(build_engine())
     ctl.stream = lambda prompt, **kw: _FailingStream(ctl._engine.stream(prompt, **kw), ctl, how)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     try:
@@ -1035,7 +1029,7 @@ ENGINE_FAULTS = [  # (the backend's message, after how many deltas, status, code
 
 @pytest.mark.parametrize("message, after, status, code", ENGINE_FAULTS, ids=[f[3] + str(f[1]) for f in ENGINE_FAULTS])
 def test_an_engine_error_mid_generation_is_the_servers_fault_unless_the_clients(message, after, status, code):
-    ctl = ControlledEngine(make_engine())
+    ctl = ControlledEngine(build_engine())
     ctl.stream = lambda prompt, **kw: _RaisingStream(ctl._engine.stream(prompt, **kw), ctl, SpecDecodeError(message),
                                                      after)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
@@ -1058,7 +1052,7 @@ def test_an_engine_error_mid_generation_is_the_servers_fault_unless_the_clients(
 
 
 def test_a_request_body_over_the_limit_is_a_413_before_it_is_read():
-    srv = LiveServer(create_app(make_engine(), model_id=MODEL, method="pld", gamma=2, max_body_bytes=2000))
+    srv = LiveServer(create_app(build_engine(), model_id=MODEL, method="pld", gamma=2, max_body_bytes=2000))
     try:
         url = f"{srv.url}/v1/completions"
         big = {"model": MODEL, "prompt": "x" * 3000, "max_tokens": 2}
@@ -1074,7 +1068,7 @@ def test_a_request_body_over_the_limit_is_a_413_before_it_is_read():
 
 
 def test_an_obviously_too_long_prompt_and_a_full_queue_are_refused_before_tokenizing(monkeypatch):
-    ctl = ControlledEngine(make_engine())
+    ctl = ControlledEngine(build_engine())
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, max_queue=1))
     calls = []
     encode = ctl._engine.encode
@@ -1111,8 +1105,7 @@ def test_the_output_history_is_off_by_default_kept_per_api_key_and_never_holds_p
     from specdecode.cli import build_parser
     args = build_parser().parse_args(["serve"])
     assert args.history_tokens == 0 and not args.speculation_sources  # off unless the operator enables it
-    tok = byte_tokenizer()
-    engine = Engine(tiny_model(0), tok, tiny_model(1), tok, history_tokens=5000)
+    engine = build_engine(history_tokens=5000)
     srv = LiveServer(create_app(engine, model_id=MODEL, method="lookup", gamma=2))
     try:
         prompt = "the secret prompt"
@@ -1139,7 +1132,7 @@ def test_the_output_history_is_off_by_default_kept_per_api_key_and_never_holds_p
 
 
 def test_per_source_counts_in_responses_when_the_operator_asks():
-    srv = LiveServer(create_app(make_engine(), model_id=MODEL, method="pld", gamma=2, show_sources=True))
+    srv = LiveServer(create_app(build_engine(), model_id=MODEL, method="pld", gamma=2, show_sources=True))
     try:
         r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "abcabc", "max_tokens": 8})
         assert "sources" in r.json()["speculation"]
@@ -1150,7 +1143,7 @@ def test_per_source_counts_in_responses_when_the_operator_asks():
 def test_a_started_stream_that_is_silent_gets_keepalives():
     """A job that the worker runs but that sends nothing for a while (a long prompt being read) keeps its stream
     alive with comments, as a queued one does; then its text follows."""
-    ctl = ControlledEngine(make_engine())
+    ctl = ControlledEngine(build_engine())
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, keepalive_s=0.2))
     try:
         ctl.gate.clear()  # the job starts, then stays silent at the gate
@@ -1179,7 +1172,7 @@ def test_a_running_stream_is_not_stalled_by_big_requests_being_tokenized(own_tok
     engine's one tokenizer (own_tokenizer False) a gap lasts about a whole tokenization."""
     if not own_tokenizer:
         monkeypatch.setattr(Engine, "separate_encoder", lambda self: None)
-    ctl = ControlledEngine(make_engine(), delay=0.02)
+    ctl = ControlledEngine(build_engine(), delay=0.02)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     srv.app.state.service.token_chars = None  # no character pre-check: the bodies are tokenized, then refused
     big = "hello world " * 100_000  # 1.2 MB

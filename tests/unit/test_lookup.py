@@ -203,15 +203,14 @@ TEXTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n
 
 
 @pytest.fixture
-def engine(tmp_path):
+def engine(tmp_path, make_engine):
     tok = byte_tokenizer()
     index_dir = tmp_path / "src"
     index_dir.mkdir()
     for i, t in enumerate(TEXTS):
         (index_dir / f"f{i}.py").write_text(t * 3)
     index_files([str(index_dir)], tok, tmp_path / "ds", progress=False)
-    eng = Engine(tiny_model(0), tok, tiny_model(1), tok, history_tokens=10_000, datastore=str(tmp_path / "ds"))
-    eng.costs, eng.progress = CHEAP, False
+    eng = make_engine(tokenizer=tok, history_tokens=10_000, datastore=str(tmp_path / "ds"), costs=CHEAP, progress=False)
     return eng
 
 
