@@ -29,7 +29,7 @@ def test_short_soak_against_a_launched_server(tiny_pair, tmp_path, monkeypatch, 
     out = tmp_path / "soak"
     code = main(["loadtest", "--soak", "0.4", "--target", str(target), "--draft", str(draft), "--parallel", "2",
                  "--concurrency", "4", "--threads", "1", "--max-tokens", "16", "--soak-timeout", "8",
-                 "--soak-long-chars", "300", "--ours-args=--max-tokens 24", "--soak-greedy-tolerance", "0.1",
+                 "--soak-long-chars", "300", "--ours-args=--max-tokens 24",
                  "--soak-latency-floor-ms", "1500", "--soak-recheck", "60", "--ready-timeout", "120",
                  "--out", str(out)])
     report = json.loads((out / "soak.json").read_text())
@@ -126,6 +126,53 @@ def test_greedy_idle_and_latency_criteria():
     summ = summary(out, criteria)
     assert summ["passed"] is False and summ["by_status"] == {"200": 1, "500": 1}
     assert markdown(summ, criteria, out["config"]).startswith("# Soak test: FAILED")
+
+
+def test_a_greedy_answer_parting_at_a_near_tie_passes_and_a_real_difference_fails():
+    body = {"model": "m", "prompt": "p", "temperature": 0.0}
+    alone = [{**rec(2), "key": request_key(body) + repr(None), "text": "hello there"}]
+    parted = [rec(1, body=body, text="hello world")]
+    near = {"1": {"gap": 0.04, "tie": 0.5, "near_tie": True}}
+    res = check_greedy(parted, alone, ties=near)
+    assert res["pass"] is True and res["mismatches"] == 1 and res["near_ties"] == 1 and res["max_gap"] == 0.04
+    assert res["near_tie_cases"][0]["at_char"] == 6
+    # negative controls: a gap past the tie tolerance, and a parting nobody scored, both fail
+    real = check_greedy(parted, alone, ties={"1": {"gap": 3.2, "tie": 0.5, "near_tie": False}})
+    assert real["pass"] is False and real["near_ties"] == 0 and real["cases"][0]["tie"]["gap"] == 3.2
+    assert check_greedy(parted, alone, ties={})["pass"] is False
+    out = soak_out(parted, quiet=[], recheck=alone)
+    out["ties"] = near
+    criteria = judge(out)
+    assert criteria["greedy_alone"]["pass"] is True
+    assert "parted at a near-tie" in markdown(summary(out, criteria), criteria, out["config"])
+
+
+def test_partings_are_scored_by_the_target_alone(tiny_pair):
+    """The gap is the target's own logit difference of the two parting tokens, after the prompt and the shared
+    text, read in one context; near_tie says whether it is within the target's tie tolerance."""
+    from specdecode import Engine
+    from specdecode.loadtest.soak_ties import first_tokens_apart, score_partings
+    assert first_tokens_apart([1, 2, 3], [1, 2, 4]) == 2 and first_tokens_apart([1, 2], [1, 2, 3]) is None
+    target = str(tiny_pair[0])
+    engine = Engine.load(target, None, backend="llama.cpp", with_draft=False, progress=False, threads=1)
+    alone, under_load = "    return a + b\n", "    return b + a\n"
+    a, b = engine.encode_prediction(alone), engine.encode_prediction(under_load)
+    j = first_tokens_apart(list(a), list(b))
+    assert j is not None
+    for body, prompt_ids in (({"prompt": "def add(a, b):"}, engine.encode("def add(a, b):")),
+                             ({"messages": [{"role": "user", "content": "add"}]}, None)):
+        if prompt_ids is None:
+            if getattr(engine.encoder, "chat_template", None) is None:
+                continue  # a tokenizer without a chat template: the completions case only
+            prompt_ids = engine.encode(body["messages"], chat=True)
+        logits = engine.target.forward(prompt_ids + list(a[:j]), last_only=True).reshape(-1).float()
+        engine.target.reset()
+        res = score_partings([{"i": 5, "body": body, "alone": alone, "under_load": under_load}], target, threads=1)["5"]
+        assert res["tokens"] == [a[j], b[j]]
+        assert res["gap"] == pytest.approx(float(logits[a[j]] - logits[b[j]]), abs=1e-3)
+        assert res["near_tie"] == (abs(res["gap"]) <= res["tie"]) and res["tie"] == engine.target.tolerances()["tie"]
+    same = score_partings([{"i": 6, "body": {"prompt": "x"}, "alone": alone, "under_load": alone}], target, threads=1)
+    assert same["6"]["gap"] is None  # texts that do not part on a token are not scored
 
 
 def fake_transport(events: list[str], status: int = 200):

@@ -3,7 +3,8 @@
 Criteria (each passes, fails, or is not judged where its data is missing, with the cases that failed it):
 - no_5xx: no response or stream error event of the 5xx class other than the documented 503s (queue full,
   timeout in the queue, shutting down, engine unavailable), as the clients saw them and as the server counted them;
-- greedy_alone: every finished greedy answer equals the same request sent again alone to the quiet server;
+- greedy_alone: every finished greedy answer equals the same request sent again alone to the quiet server, or parts
+  from it at a near-tie of the two tokens it parts on, scored by the target alone (soak_ties.py);
 - terminal_events: every stream a client read to its end ended with [DONE] after a finish_reason chunk, or with an
   error event; every JSON answer with a finish_reason;
 - no_silent_loss: no request that the client did not give up on ended without a status (a transport failure),
@@ -77,12 +78,12 @@ def check_5xx(records: list[dict], server_metrics: list[dict]) -> dict:
     return _result(bad)
 
 
-def check_greedy(records: list[dict], recheck: list[dict], tolerance: float = 0.0) -> dict:
-    """tolerance: the share of compared answers that may differ (default none; batched passes can break a near-tie
-    of the top two logits otherwise than a pass alone: docs/serving/batching.md)."""
+def greedy_partings(records: list[dict], recheck: list[dict]) -> tuple[list[dict], int, list[dict]]:
+    """The finished greedy answers that part from the same request's answer alone: ({"i", "body", "at_char",
+    "alone", "under_load"} with the whole texts, how many were compared, those whose request went unanswered alone)."""
     from .soak import request_key
     alone = {r["key"]: r for r in recheck}
-    bad, compared, unanswered = [], 0, []
+    parted, compared, unanswered = [], 0, []
     for r in records:
         if "body" not in r or not finished(r):
             continue
@@ -95,9 +96,27 @@ def check_greedy(records: list[dict], recheck: list[dict], tolerance: float = 0.
         compared += 1
         at = first_difference(ref["text"], r["text"])
         if at is not None:
-            bad.append({**_brief(r), "at_char": at, "alone": ref["text"][max(0, at - 30):at + 40],
-                        "under_load": r["text"][max(0, at - 30):at + 40], "body": r["body"]})
-    res = _result(bad + unanswered, judged=compared > 0, compared=compared, mismatches=len(bad), tolerance=tolerance)
+            parted.append({**_brief(r), "i": r["i"], "body": r["body"], "at_char": at, "alone": ref["text"],
+                           "under_load": r["text"]})
+    return parted, compared, unanswered
+
+
+def check_greedy(records: list[dict], recheck: list[dict], tolerance: float = 0.0, ties: dict | None = None) -> dict:
+    """Every finished greedy answer equals the same request's alone, or parts from it at a near-tie: ties (from
+    soak_ties.score_partings, where the target could be read) holds the two parting tokens' logit gap, scored by the
+    target alone; within its tie tolerance the difference is numerical (batched passes round otherwise than one
+    alone: docs/serving/batching.md). tolerance: the share of compared answers that may differ otherwise."""
+    parted, compared, unanswered = greedy_partings(records, recheck)
+    bad, near = [], []
+    for p in parted:
+        at, tie = p["at_char"], (ties or {}).get(str(p["i"]))
+        case = {**p, "alone": p["alone"][max(0, at - 30):at + 40], "under_load": p["under_load"][max(0, at - 30):at + 40],
+                "tie": tie}
+        (near if tie and tie.get("near_tie") else bad).append(case)
+    gaps = [abs(c["tie"]["gap"]) for c in near + bad if c["tie"] and c["tie"].get("gap") is not None]
+    res = _result(bad + unanswered, judged=compared > 0, compared=compared, mismatches=len(parted),
+                  near_ties=len(near), scored=ties is not None, max_gap=max(gaps, default=None), tolerance=tolerance)
+    res["near_tie_cases"] = near[:20]
     if compared and not unanswered and len(bad) <= tolerance * compared:
         res["pass"] = True
     return res
@@ -198,7 +217,8 @@ def judge(out: dict) -> dict:
     cfg, records, restart = out["config"], out["records"], out.get("restart")
     everything = out["quiet"] + records + out["recheck"]
     return {"no_5xx": check_5xx(everything, out.get("server_metrics") or []),
-            "greedy_alone": check_greedy(out["quiet"] + records, out["recheck"], cfg.get("greedy_tolerance", 0.0)),
+            "greedy_alone": check_greedy(out["quiet"] + records, out["recheck"], cfg.get("greedy_tolerance", 0.0),
+                                         out.get("ties")),
             "terminal_events": check_terminal(everything),
             "no_silent_loss": check_loss(everything, restart),
             "restart": check_restart(records, restart),
@@ -234,6 +254,10 @@ def write_report(out: dict, criteria: dict, folder: str | Path, cpu: str | None 
     return folder
 
 
+def _cell(text: str) -> str:
+    return json.dumps(text)[:80].replace("|", "\\|")
+
+
 def _ms(x) -> str:
     return "n/a" if x is None else f"{x * 1000:.1f}"
 
@@ -248,7 +272,7 @@ def markdown(summ: dict, criteria: dict, cfg: dict, cpu: str | None = None) -> s
              "| criterion | result | failures | detail |", "|---|---|---|---|"]
     for name, c in criteria.items():
         result = {True: "pass", False: "**FAIL**", None: "not judged"}[c["pass"]]
-        detail = {k: v for k, v in c.items() if k not in ("pass", "failures", "cases", "quiet", "soak")}
+        detail = {k: v for k, v in c.items() if k not in ("pass", "failures", "cases", "quiet", "soak", "near_tie_cases")}
         lines.append(f"| {name} | {result} | {c['failures']} | {json.dumps(detail, default=str)[:300]} |")
     lat = criteria["latency"]
     lines += ["", "| latency (ms) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | streams |",
@@ -263,6 +287,12 @@ def markdown(summ: dict, criteria: dict, cfg: dict, cpu: str | None = None) -> s
     for title, table in (("Requests by kind", summ["by_kind"]), ("Requests by variant", summ["by_variant"]),
                          ("Outcomes by status", summ["by_status"]), ("Errors by code", summ["errors_by_code"])):
         lines += [f"## {title}", "", "| | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in table.items()] + [""]
+    near = criteria["greedy_alone"].get("near_tie_cases") or []
+    if near:
+        lines += ["## Greedy answers that parted at a near-tie (first 20)", "",
+                  "| request | parts at char | logit gap (alone) | tie tolerance | alone | under load |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c['i']} {c['variant']} | {c['at_char']} | {c['tie']['gap']} | {c['tie']['tie']} | "
+                  f"{_cell(c['alone'])} | {_cell(c['under_load'])} |" for c in near] + [""]
     failed = [(name, c) for name, c in criteria.items() if c["cases"]]
     if failed:
         lines += ["## Failures (first 20 per criterion)", ""]

@@ -275,12 +275,28 @@ def soak(args, servers: dict[str, str], prompts: list[dict] | None) -> int:
         launcher, cfg["command"] = _launcher(args, cfg, os.sched_getaffinity(0))
         runner = Soak(cfg, launcher=launcher, log=log)
     out = runner.run()
+    if not servers:  # the launched server has stopped: its target scores where greedy answers parted (soak_ties.py)
+        out["ties"] = _score_ties(out, args, log)
     criteria = judge(out)
     cpu = cpu_description()
     folder = write_report(out, criteria, soak_dir(args.out), cpu)
     sys.stdout.write(markdown(summary(out, criteria), criteria, cfg, cpu).split("\n## Requests by variant")[0] +
                      f"\nwritten to {folder}/\n")
     return 0 if summary(out, criteria)["passed"] else 1
+
+
+def _score_ties(out: dict, args, log) -> dict:
+    from ..backends import DEFAULT_TARGET
+    from .soak_check import greedy_partings
+    from .soak_ties import score_partings
+    parted = greedy_partings(out["quiet"] + out["records"], out["recheck"])[0]
+    if not parted:
+        return {}
+    t0 = time.perf_counter()
+    ties = score_partings(parted, args.target or DEFAULT_TARGET, threads=args.threads)
+    log(f"soak: {len(parted)} greedy answers parted from alone; scored by the target alone in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return ties
 
 
 def _launcher(args, cfg: dict, cores) -> tuple:
