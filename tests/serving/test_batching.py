@@ -250,7 +250,7 @@ def test_a_prefill_chunk_given_is_what_slots_read_prompts_in(engine):
 def test_time_mixing_is_measured_and_cached_with_the_calls(engine):
     import json
     from specdecode.backends.llamacpp.split import time_mixing
-    from specdecode.slots import costs_path
+    from specdecode.planning.batch import costs_path
     slots = Slots(engine, 2)
     shared = slots.engines[0].target._shared
     raw = json.loads(costs_path(engine.target, 2).read_text())
@@ -372,17 +372,17 @@ def test_slots_need_a_backend_that_batches_and_no_exact_mode(gguf):
 
 def test_costs_in_company_are_what_a_pass_adds():
     from specdecode.planning.costs import CostModel
-    from specdecode.slots import InCompany
+    from specdecode.planning.batch import BatchPricing
     table = {1: 0.079, 2: 0.119, 4: 0.181, 8: 0.462}  # Zen 3's T(k): a pass of 8 takes a slower kernel
     company = [0]
-    costs = InCompany(CostModel(table, {1: 0.03, 2: 0.04}), lambda: company[0])
+    costs = BatchPricing(CostModel(table, {1: 0.03, 2: 0.04}), lambda: company[0])
     assert costs.at(128).t(1) == pytest.approx(0.079)  # alone: the table
     company[0] = 3
     now = costs.at(128)
     assert now.t(1) == pytest.approx(0.181 / 4)  # its share of a call of 4 plain steps
     assert now.t(2) == pytest.approx(0.462 / 4)  # as if every generation added one guess: the slow 8-token kernel
     assert now.t(5) / now.t(1) > 5  # 4 guesses push the pass to the slow kernel: dearer per token than plain
-    xeon = InCompany(CostModel({1: 0.062, 2: 0.097, 3: 0.122, 4: 0.114, 6: 0.172}), lambda: 2).at(128)
+    xeon = BatchPricing(CostModel({1: 0.062, 2: 0.097, 3: 0.122, 4: 0.114, 6: 0.172}), lambda: 2).at(128)
     assert xeon.t(1) == pytest.approx(0.122 / 3) and xeon.t(2) == pytest.approx(0.172 / 3)  # not C(4) - C(3) < 0
     assert now.d(1) == pytest.approx(0.03) and now.d(2) == pytest.approx(0.04)  # the draft's passes: alone
 
@@ -392,18 +392,18 @@ def test_a_guess_in_company_pays_whatever_the_others_do():
     cheapest as two calls of 4. As a share of a call where every slot guessed too, 3 guesses looked cheap (C(32) / 8);
     beside the others' plain rows they make a call of 11 (real calls of 10-14 tokens: 1.3-1.6x the plain rows)."""
     from specdecode.planning.costs import CostModel
-    from specdecode.slots import InCompany
+    from specdecode.planning.batch import BatchPricing
     zen4 = {1: 33.4, 2: 57.9, 3: 81.6, 4: 99.4, 5: 124.3, 6: 144.3, 7: 171.6, 8: 223.3, 9: 242.6, 10: 257.0,
             11: 282.1, 12: 291.9, 13: 315.4, 14: 323.2, 15: 344.9, 16: 289.7, 20: 359.5, 24: 411.4}
     calls = CostModel({k: v / 1000 for k, v in zen4.items()})
-    now = InCompany(CostModel({1: .035, 2: .07, 4: .13}), lambda: 7, calls).at(128)
+    now = BatchPricing(CostModel({1: .035, 2: .07, 4: .13}), lambda: 7, calls).at(128)
     plain = 2 * .0994 / 8
     assert now.t(1) == pytest.approx(plain)  # 8 plain rows: two calls of 4, as plan_split cuts them
     assert now.t(4) == pytest.approx(plain + (.1243 + .1443) - 2 * .0994)  # 11 tokens cut 5 + 6, less the 8 rows
     assert now.t(4) > 3.7 * now.t(1)  # 3 guesses accepted at 0.95 each (3.7 tokens expected) no longer pay
-    share = InCompany(CostModel({1: .035}), lambda: 7, calls)._cut(calls)(32) / 8
+    share = BatchPricing(CostModel({1: .035}), lambda: 7, calls)._cut(calls)(32) / 8
     assert share < 2.8 * plain < now.t(4)  # the share price alone said they did
-    solo = InCompany(CostModel({1: .035, 2: .07}), lambda: 0, calls).at(128)
+    solo = BatchPricing(CostModel({1: .035, 2: .07}), lambda: 0, calls).at(128)
     assert solo.t(2) == .07  # alone: the generation's own table
 
 
@@ -513,7 +513,7 @@ def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monk
     import json
     from specdecode.backends.llamacpp.batching import SharedContext
     from specdecode.backends.llamacpp import N_BATCH
-    from specdecode.slots import CALLS_FORMAT, costs_path
+    from specdecode.planning.batch import CALLS_FORMAT, costs_path
     slots = Slots(engine, 2)
     raw = json.loads(costs_path(engine.target, 2).read_text())
     assert raw["format"] == CALLS_FORMAT
@@ -539,13 +539,13 @@ def test_the_calls_table_learns_what_calls_take_and_the_prices_follow():
     cheap; served calls of 9 took ~228 (longer texts). Once the table learns that, the guess is priced at what it
     adds; before an update (every LEARN_EVERY calls) the prices stay as they were."""
     from specdecode.planning.costs import CostModel
-    from specdecode.slots import LEARN_EVERY, InCompany, LearnedCalls
+    from specdecode.planning.batch import LEARN_EVERY, BatchPricing, CallCostTracker
     xeon = {1: 59.2, 2: 96.8, 4: 114.7, 7: 190.5, 8: 210.2, 9: 217.7, 10: 234.7, 12: 246.8, 16: 247.3, 32: 422.9}
     calls = CostModel({k: v / 1000 for k, v in xeon.items()})
-    costs = InCompany(CostModel({1: .065, 2: .1}), lambda: 7, calls)
+    costs = BatchPricing(CostModel({1: .065, 2: .1}), lambda: 7, calls)
     guess = costs.at(300).t(2) - costs.at(300).t(1)
     assert guess == pytest.approx(.2177 - .2102)  # what the 9-token call adds, as timed
-    learned = LearnedCalls(calls)
+    learned = CallCostTracker(calls)
     for _ in range(LEARN_EVERY - 1):
         learned.observe(9, .228)
         learned.observe(40, 1.0)  # a prompt's chunk: not a decoding size, left as measured

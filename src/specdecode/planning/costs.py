@@ -44,9 +44,9 @@ class CostModel:
     draft_at: dict[int, dict[int, float]] = field(default_factory=dict)
     # answers that depend on the tables alone (draft_model_can_pay), computed once: these tables are never changed
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # bumped where a table is updated in place (slots.LearnedCalls, the calls' table): what was cut on it is stale
+    # bumped where a table is updated in place (batch.CallCostTracker, the calls' table): what was cut on it is stale
     version: int = field(default=0, init=False, repr=False, compare=False)
-    static = True  # (a class attribute) costs that depend on the tables alone; slots.InCompany's do not
+    static = True  # (a class attribute) costs that depend on the tables alone; batch.BatchPricing's do not
 
     def t(self, n: int, context: int | None = None) -> float:
         return _at_context(self.target, self.target_at, n, context)
