@@ -171,7 +171,7 @@ class RowRecorder:
         return getattr(self._lm, name)
 
     @property
-    def pad_rows(self) -> int:  # set by exact mode's padding (exactness.padded): the LM's own
+    def pad_rows(self) -> int:  # set by exact mode's padding (exactness.padding): the LM's own
         return self._lm.pad_rows
 
     @pad_rows.setter

@@ -3,6 +3,7 @@ draft -> verify -> accept -> roll back) with the drafter each method builds (met
 from __future__ import annotations
 
 import copy
+from contextlib import ExitStack
 from typing import Iterator
 
 import torch
@@ -12,7 +13,7 @@ from .checks import check_request, positive_int, tree_nodes_cap
 from .drafters import (DRAFT_WINDOW, Datastore, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, followed, tokenizer_fingerprint)
 from .errors import SpecDecodeError
-from .exactness import ExactLimits, limits as measured_exact_limits, padded
+from .exactness import ExactLimits, limits as measured_exact_limits, padding
 from .lease import Lease, tokenizer_lock
 from .methods import METHOD_TABLE, DraftRequest, method_names
 from .sampling import SamplingParams
@@ -20,7 +21,7 @@ from .stats import Generation, Stats
 from .textstream import TextStream
 from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
 from .loop import speculative_decode
-from .prefill import Interrupt, owned
+from .prefill import Interrupt, cache_kept_for_reuse
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
@@ -264,14 +265,8 @@ class Engine:
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
                                    generator=generator, stats=stats, exact=limits, scope=scope, interrupt=interrupt)
-        if scope is not None:
-            steps = owned(self.target, steps)
-        if limits is not None and limits.pad_rows > 1:  # exact mode's plain steps too run as padded passes
-            steps = padded(self.target, limits.pad_rows, steps)
-        if request.history is not None:
-            steps = self._remember(request.history, steps)
-        out = TextStream(self, self.lease.steps(steps), stats, [stop] if isinstance(stop, str) else list(stop or []),
-                         interrupt)
+        out = TextStream(self, self._surrounded(steps, request.history, limits, scope), stats,
+                         [stop] if isinstance(stop, str) else list(stop or []), interrupt)
         out.prompt_ids, out.cache_scope = prompt_ids, scope  # where a server runs it: a slot that holds its start
         return out
 
@@ -300,16 +295,23 @@ class Engine:
             stats.lookup_sources = ["context"] + (["prediction"] if request.prediction_ids else [])
         return stats, depth_cap
 
-    def _remember(self, history: History, steps: Iterator[list[int]]) -> Iterator[list[int]]:
-        """Pass the steps through; when the generation ends (or is stopped), store its output (never the prompt)."""
-        out = []
-        try:
+    def _surrounded(self, steps: Iterator[list[int]], history: History | None, limits: ExactLimits | None,
+                    scope: str | None) -> Iterator[list[int]]:
+        """The loop's steps inside what surrounds a generation, entered at its first step in this order and left in
+        the reverse however it ends (exhausted, an error, or closed between steps: a client gone)."""
+        with ExitStack() as around:
+            around.enter_context(self.lease.held("starting a second generation"))  # the models' one KV cache each
+            out: list[int] = []
+            if history is not None:
+                around.callback(history.add, out)  # its output (never the prompt), however it ends
+            if limits is not None and limits.pad_rows > 1:  # exact mode's plain steps too run as padded passes
+                around.enter_context(padding(self.target, limits.pad_rows))
+            if scope is not None:
+                around.enter_context(cache_kept_for_reuse(self.target))
+            around.callback(steps.close)  # the loop first, inside all of the above
             for new in steps:
                 out += new
                 yield new
-        finally:
-            steps.close()
-            history.add(out)
 
     check = staticmethod(check_request)  # the request's arguments, checked without models (checks.py)
 

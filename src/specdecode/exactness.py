@@ -203,13 +203,6 @@ def choose(lm) -> ExactLimits:
     return replace(padded, checked=padded.checked + f" (unpadded: 1 token; a padded step {cost:.2f}x)")
 
 
-def padded(lm, rows: int, steps):
-    """Run a generation's steps (an iterator) with every target pass padded to `rows` rows (ExactLimits.pad_rows),
-    and no padding after it, however it ends."""
-    with padding(lm, rows):
-        yield from steps
-
-
 def limits(lm, progress: bool = False) -> ExactLimits:
     """The measured ExactLimits of this LM, read from the cache or measured once and stored."""
     if not lm.exact:

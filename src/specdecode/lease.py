@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Iterator
 
 from .errors import SpecDecodeError
 
@@ -28,14 +27,6 @@ class Lease:
             yield
         finally:
             self._lock.release()
-
-    def steps(self, steps: Iterator[list[int]]) -> Iterator[list[int]]:
-        """A generation's steps, run while holding the lease (taken at the first step, not when opened)."""
-        with self.held("starting a second generation"):
-            try:
-                yield from steps
-            finally:
-                steps.close()
 
 
 _TOKENIZER_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

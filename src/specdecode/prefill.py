@@ -4,6 +4,7 @@ did, such as a chat's system prompt or a conversation's earlier turns, reads onl
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 from .backends import LM
 from .drafters import Drafter
@@ -83,11 +84,13 @@ def _read(target: LM, ids: list[int], interrupt: Interrupt | None, exact: bool):
             raise Interrupted
 
 
-def owned(target: LM, steps):
-    """A generation's steps passed through; one that fails leaves the target's cache to nobody (after an error
-    inside a pass its bookkeeping may not be what the cache holds). The target is released at the end."""
+@contextmanager
+def cache_kept_for_reuse(target: LM):
+    """Around a generation whose text the target's cache keeps for the next one of its scope (prefill sets the owner):
+    the target is released at the end; after an error the cache is left to nobody (after an error inside a pass its
+    bookkeeping may not be what the cache holds)."""
     try:
-        yield from steps
+        yield
     except GeneratorExit:  # closed between steps (a client gone): the cache is as the bookkeeping says
         raise
     except BaseException:  # an error, or an interrupt that may have come inside a rollback

@@ -284,6 +284,92 @@ def test_two_streams_on_one_engine_never_corrupt_each_other(make_engine):
     assert engine.generate("abc", method="draft", max_new_tokens=24).text == ref.text
 
 
+def _watched(engine, log):
+    """Log what surrounds a generation where the LM and the Engine show it: the lease's lock, history.add, the target's
+    padding, owner and release."""
+    class Lock:
+        def __init__(self, lock):
+            self.lock = lock
+
+        def acquire(self, blocking=True):
+            got = self.lock.acquire(blocking)
+            log.append("lease +" if got else "lease busy")
+            return got
+
+        def release(self):
+            log.append("lease -")
+            self.lock.release()
+
+    class Watched(type(engine.target)):
+        @property
+        def pad_rows(self):
+            return self.__dict__.get("_pad", 1)
+
+        @pad_rows.setter
+        def pad_rows(self, rows):
+            log.append(f"pad {rows}")
+            self.__dict__["_pad"] = rows
+
+        @property
+        def owner(self):
+            return self.__dict__.get("_owner")
+
+        @owner.setter
+        def owner(self, scope):
+            log.append(f"owner {scope!r}")
+            self.__dict__["_owner"] = scope
+
+        def release(self):
+            log.append("release")
+            super().release()
+    engine.target.__class__ = Watched
+    engine.lease._lock = Lock(engine.lease._lock)
+    add = engine.history.add
+    engine.history.add = lambda out: log.append(f"history {len(out)}") or add(out)
+
+
+@pytest.mark.parametrize("end", ["exhausted", "closed", "error"])
+@pytest.mark.parametrize("mode", ["prompt cache", "exact padded"])
+def test_what_surrounds_a_generation_is_left_in_reverse_however_it_ends(mode, end):
+    """The lease, the history, exact mode's padding and the prompt cache's ownership are entered at the first step in
+    that order and left in the reverse, whether the steps run out, the stream is closed between steps (a client gone)
+    or a pass fails (the cache then left to nobody)."""
+    from specdecode.exactness import ExactLimits
+    tok = byte_tokenizer()
+    engine = Engine(tiny_model(0), tok, history_tokens=1000, prompt_cache=mode == "prompt cache")
+    kwargs = {"exact": True} if mode == "exact padded" else {}
+    engine._exact_limits = ExactLimits(max_pass=1, trees=False, max_context=10 ** 6, pad_rows=2)
+    log: list[str] = []
+    _watched(engine, log)
+    forward, passes = engine.target.forward, []
+
+    def failing(*a, **k):  # the third pass (a decoding step) fails where asked
+        passes.append(1)
+        if end == "error" and len(passes) == 3:
+            raise RuntimeError("a pass failed")
+        return forward(*a, **k)
+    engine.target.forward = failing
+    steps = engine.stream("abc", method="autoregressive", max_new_tokens=6, **kwargs).steps  # committed ids
+    assert log == []  # nothing is taken before the first step
+    emitted = []
+    if end == "error":
+        with pytest.raises(RuntimeError, match="a pass failed"):
+            for new in steps:
+                emitted += new
+    else:
+        emitted += next(steps)
+        if end == "closed":
+            steps.close()
+        for new in steps:
+            emitted += new
+    assert len(emitted) == {"exhausted": 6, "closed": 1, "error": 2}[end]  # (the prompt's read yields a token)
+    enter = ["lease +"] + (["pad 2"] if mode == "exact padded" else []) + ["owner None"]
+    scope = "" if mode == "prompt cache" else None
+    leave = {"prompt cache": ["owner None"] * (end == "error") + ["release"], "exact padded": ["pad 1"]}[mode]
+    assert log == enter + [f"owner {scope!r}"] + leave + [f"history {len(emitted)}", "lease -"], log
+    assert engine.target.pad_rows == 1 and engine.target.owner == (None if end == "error" else scope)
+
+
 def test_the_loop_stops_at_the_backends_end_of_generation_tokens():
     """LM.eog_ids (llama.cpp: llama_vocab_is_eog) end a generation like EOS, whatever the method."""
     tok = byte_tokenizer()
