@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from .drafters.base import Draft
 from .errors import SpecDecodeError
 from .host import cache_dir, write_json
 from .sampling import argmax
@@ -61,6 +62,33 @@ class ExactLimits:
     def guesses(self, cells: int) -> int:
         """Guesses one pass may carry with `cells` cache cells in use."""
         return self.max_guesses if cells + self.max_pass <= self.max_context else 0
+
+
+class ExactDrafter:
+    """A generation's drafter within the exact pass sizes: each step drafts no deeper than the guesses one pass may
+    carry at the cache's size (none past max_context), and its draft is cut to them (to a chain where trees are not
+    exact). The loop runs it as any drafter."""
+
+    def __init__(self, drafter, limits: ExactLimits, target):
+        self.drafter, self.limits, self.target = drafter, limits, target
+        self._asked = False  # whether this step asked the drafter: it is told the verdict only then
+
+    def reset(self) -> None:
+        self.drafter.reset()
+
+    def prefill(self, ids: list[int]) -> None:
+        self.drafter.prefill(ids)
+
+    def propose(self, ids: list[int], gamma: int, params, generator=None) -> Draft:
+        cap = self.limits.guesses(self.target.cells())
+        gamma = min(gamma, cap)
+        self._asked = gamma > 0
+        draft = self.drafter.propose(ids, gamma, params, generator) if self._asked else Draft([], None)
+        return draft.prefix(cap, chain=not self.limits.trees)
+
+    def commit(self, length: int, path: list[int], bonus: int) -> None:
+        if self._asked:
+            self.drafter.commit(length, path, bonus)
 
 
 def _plain(lm, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 
 from .backends import LM
 from .drafters import Draft, Drafter
-from .exactness import ExactLimits
+from .exactness import ExactDrafter, ExactLimits
 from .prefill import Interrupt, prefill
 from .sampling import SamplingParams
 from .stats import Stats
@@ -27,7 +27,10 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
     """Yield newly committed token ids, step by step. stats is filled in as it goes. gamma: the most
     tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
     still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are
-    bit-identical to plain decoding's (exactness.py). interrupt: asked between the prompt's passes (prefill)."""
+    bit-identical to plain decoding's (exactness.ExactDrafter keeps the drafter within them; a plain step is exact
+    by definition). interrupt: asked between the prompt's passes (prefill)."""
+    if exact is not None and drafter is not None:
+        drafter = ExactDrafter(drafter, exact, target)
     ids, head = prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy, scope,
                         interrupt, exact=exact is not None)
     emitted = len(head)
@@ -43,15 +46,10 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
             stats.finish_reason = "length"
             return
         g = min(gamma, room - 1) if drafter is not None else 0  # never draft what cannot be emitted
-        if exact is not None:  # within the exact pass sizes, and none past the context they were measured up to
-            cap = exact.guesses(target.cells())
-            g = min(g, cap)
 
         # 1. draft: guesses that continue ids (a chain or a tree; none for plain decoding)
         t0 = time.perf_counter()
         draft = drafter.propose(ids, g, params, generator) if g > 0 else Draft([], None)
-        if exact is not None:
-            draft = draft.prefix(cap, chain=not exact.trees)
         t1 = time.perf_counter()
         # 2. verify: the ONE target pass over the last committed token (the root) and every drafted token
         root = len(target)
