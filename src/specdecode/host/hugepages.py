@@ -5,8 +5,8 @@ A decode step reads every weight once; llama.cpp keeps the repacked weights (mos
 malloc, mapped in 4 KiB pages unless the process asks for huge ones, and where the kernel's THP mode is `madvise`
 (the default of Debian, Ubuntu and most clouds) nothing in llama.cpp asks. glibc does, for every block it maps,
 when started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc 2.35+); a tunable is read only at start-up, so
-the `specdecode` command starts the same command line again (execve: same process id) with it set, as the package is
-imported (before torch loads: ~0.1 s); a program that imports the package is never restarted. Measured (AMD EPYC
+the `specdecode` command starts the same command line again (execve: same process id) with it set, first thing in
+`cli.main` (before torch loads: ~0.1 s); a program that imports the package is never restarted. Measured (AMD EPYC
 Zen 4, 2 vCPUs, default pair, plain steps after HumanEval prompts, processes interleaved): 1.6 GB of the process in
 huge pages and steps ~1.5% faster (paired median ratios 0.973-0.992 against 0.983-0.988 between two default
 processes); MADV_COLLAPSE on the loaded buffers, the in-process alternative, fails with EINVAL on that kernel.
@@ -88,7 +88,7 @@ def launched_as_command(orig_argv=None) -> bool:
 
 
 def restart_if_command() -> None:
-    """From the package's import: the `specdecode` command restarts before torch is imported (~0.1 s; after it, a
+    """From `cli.main`, first thing: the `specdecode` command restarts before torch is imported (~0.1 s; after it, a
     restart would cost ~1.3 s)."""
     if launched_as_command():
         restart_with_hugepages()
