@@ -228,6 +228,7 @@ async def _crash(request, exc: Exception):
 
 def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s, keepalive_s, api_key) -> None:
     """create_app's arguments, checked before anything starts (a clear SpecDecodeError for each)."""
+    from ..checks import positive_int
     from ..engine import Engine
     Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
     if METHOD_TABLE[method].needs_draft_model == REQUIRED and engine.draft_model is None:
@@ -235,8 +236,7 @@ def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s,
     if gamma > p.MAX_GAMMA:
         raise SpecDecodeError(f"gamma must be an integer in 1..{p.MAX_GAMMA} (this server's limit), got {gamma!r}")
     for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(name, value)
     for name, value in (("timeout", timeout_s), ("keepalive_s", keepalive_s)):
         if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
             raise SpecDecodeError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 
+from ..checks import positive_int
 from ..errors import SpecDecodeError
 
 REPLICA_HEADER = "x-specdecode-replica"
@@ -201,8 +202,7 @@ def ray_app(target: str | None = None, draft: str | None = None, *, method: str 
     from ..backends import DEFAULT_TARGET
     from .app import _model_name
     method = method or DEFAULT_METHOD
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise SpecDecodeError(f"threads must be a positive integer, got {threads!r}")
+    positive_int("threads", threads)
     scaling = _scaling(replicas, autoscale, target_ongoing_requests)
     load.setdefault("with_draft", wants_draft_model([method]) or draft is not None)
     load = dict(load, target=target, draft=draft, threads=threads)
@@ -217,8 +217,7 @@ def ray_app(target: str | None = None, draft: str | None = None, *, method: str 
 
 def _scaling(replicas: int, autoscale, target_ongoing_requests: float) -> dict:
     if autoscale is None:
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise SpecDecodeError(f"replicas must be a positive integer, got {replicas!r}")
+        positive_int("replicas", replicas)
         return {"num_replicas": replicas}
     lo, hi = autoscale
     if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi < max(1, lo):
