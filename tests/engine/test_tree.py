@@ -549,6 +549,7 @@ SAMPLED_PROMPT = [5, 0, 5]
 N_SAMPLED = 600  # 8-12 s on a shared 2-core machine
 
 
+@pytest.mark.stat
 def test_sampled_tree_keeps_the_target_distribution(small_models):
     law = exact_pair_law(small_models[0], SAMPLED_PROMPT)
     counts, stats, with_lookup = sampled_pairs(small_models, SAMPLED_PROMPT, N_SAMPLED, pld=True)
@@ -567,6 +568,7 @@ def test_sampled_tree_keeps_the_target_distribution(small_models):
 verify_tree_no_residual = no_residual_update("p")
 
 
+@pytest.mark.stat
 def test_sampled_harness_rejects_a_wrong_verifier(small_models, monkeypatch):
     """Negative control: the same harness, with a verifier that skips the residual update, fails
     (p-values 1e-15 to 1e-22 over three seed ranges at 250 runs)."""
