@@ -1,4 +1,4 @@
-"""Issue 16: auto never pays for what it does not need. Pass costs at several context lengths, kept as
+"""auto never pays for what it does not need. Pass costs at several context lengths, kept as
 measured (a bigger pass may be cheaper); the planner choosing a cheaper larger pass; the draft model's
 window (positions re-based, greedy output unchanged); lazy reading and the catch-up cost in auto's
 decision to run the draft model."""
