@@ -15,6 +15,20 @@ def models():
     return tiny_model(0), tiny_model(1)
 
 
+@pytest.fixture(scope="module")
+def plain_of(models):
+    """plain_of(prompt, n): the target's greedy plain decoding (autoregressive, no drafter) of n tokens after prompt,
+    run once per module for each (prompt, n) that the greedy-equality tests compare with."""
+    done = {}
+
+    def plain(prompt, n):
+        key = (tuple(prompt), n)
+        if key not in done:
+            done[key] = run(CachedLM(models[0]), None, list(prompt), 0, n)[0]
+        return list(done[key])
+    return plain
+
+
 PROMPTS = [[5, 17, 42, 99, 3], list(range(30, 60)), [7]]
 
 
@@ -28,9 +42,9 @@ def check_stats(stats, out, n):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_draft_equals_target_draft(models, prompt):
+def test_greedy_draft_equals_target_draft(models, plain_of, prompt):
     target_model, _ = models
-    plain, _ = run(CachedLM(target_model), None, prompt, 0, 200)
+    plain = plain_of(prompt, 200)
     spec, stats = run(CachedLM(target_model), DraftModel(target_model, 257), prompt, 5, 200)
     assert spec == plain
     check_stats(stats, spec, 200)
@@ -38,10 +52,10 @@ def test_greedy_draft_equals_target_draft(models, prompt):
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5, 6, 7, 8])
-def test_greedy_unrelated_draft_equals_plain(models, gamma):
+def test_greedy_unrelated_draft_equals_plain(models, plain_of, gamma):
     target_model, draft_model = models
     for prompt in PROMPTS[:2]:
-        plain, _ = run(CachedLM(target_model), None, prompt, 0, 300)
+        plain = plain_of(prompt, 300)
         spec, stats = run(CachedLM(target_model), DraftModel(draft_model, 257), prompt, gamma, 300)
         assert spec == plain
         check_stats(stats, spec, 300)
@@ -49,10 +63,10 @@ def test_greedy_unrelated_draft_equals_plain(models, gamma):
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 8])
-def test_greedy_pld_equals_plain(models, gamma):
+def test_greedy_pld_equals_plain(models, plain_of, gamma):
     target_model, _ = models
     for prompt in PROMPTS:
-        plain, _ = run(CachedLM(target_model), None, prompt, 0, 300)
+        plain = plain_of(prompt, 300)
         spec, stats = run(CachedLM(target_model), PromptLookup(), prompt, gamma, 300)
         assert spec == plain
         assert stats.new_tokens == 300 and stats.accepted <= stats.drafted
