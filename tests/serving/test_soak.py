@@ -103,6 +103,28 @@ def test_restart_window_refusals_and_losses():
     assert judge(soak_out([]))["restart"]["pass"] is None  # no restart: not judged
 
 
+def test_a_connection_the_stopping_server_closed_unread_is_not_a_loss():
+    """A request whose connection dropped without a status between the SIGTERM and a clean, timely exit was never
+    read (a graceful exit answers every request it read); after the exit, or after an unclean or overdue exit, it
+    is a loss."""
+    restart = {"t_sigterm": 10.0, "t_exit": 10.5, "t_ready": 15.0, "exit_code": 0, "exit_s": 0.5, "down_s": 5.0}
+    unread = rec(9, status=None, error="ReadError: ", done=False, finish_reason=None, t_start=9.9, t_end=10.2)
+    out = soak_out([rec(i) for i in range(5)] + [unread], restart=restart)
+    assert failing(out) == set() and judge(out)["restart"]["outcomes"] == {"closed unread": 1}
+    assert failing(soak_out([unread], restart={**restart, "exit_code": -15})) == set()  # uvicorn re-raises SIGTERM
+    assert {"no_silent_loss", "restart"} <= failing(soak_out([unread], restart={**restart, "exit_code": -9}))
+    assert {"no_silent_loss", "restart"} <= failing(soak_out([unread], restart={**restart, "exit_s": 10.5}))
+    late = {**unread, "t_start": 13.0, "t_end": 13.2}  # the old server had gone; nothing was listening to close it
+    assert {"no_silent_loss", "restart"} <= failing(soak_out([late], restart=restart))
+    assert "no_silent_loss" in failing(soak_out([unread]))  # no restart at all
+
+
+def test_the_checker_knows_the_servers_graceful_timeout():
+    from specdecode.loadtest.soak_check import GRACEFUL_S
+    from specdecode.server.app import GRACEFUL_SHUTDOWN_S
+    assert GRACEFUL_S == GRACEFUL_SHUTDOWN_S
+
+
 def test_greedy_idle_and_latency_criteria():
     body = {"model": "m", "prompt": "p", "temperature": 0.0}
     key = request_key(body) + repr(None)

@@ -8,9 +8,10 @@ Criteria (each passes, fails, or is not judged where its data is missing, with t
 - terminal_events: every stream a client read to its end ended with [DONE] after a finish_reason chunk, or with an
   error event; every JSON answer with a finish_reason;
 - no_silent_loss: no request that the client did not give up on ended without a status (a transport failure),
-  except connections refused while the server was down for its restart;
+  except connections refused while the server was down for its restart, and connections the stopping server closed
+  unread (see `closed_unread`);
 - restart: every request in flight or sent from the SIGTERM until the new server answered got an answer or a clear
-  error (a status, then a complete answer or an error), or was refused a connection;
+  error (a status, then a complete answer or an error), or was refused a connection or closed unread;
 - refusals: malformed and oversized requests got a 4xx;
 - idle_memory: the server's RSS once idle after the load is within `drift` of its idle level before it, and its
   gauges of work in progress (queue depth, busy, any KV cells gauge) are back to their idle values;
@@ -20,6 +21,7 @@ Criteria (each passes, fails, or is not judged where its data is missing, with t
 from __future__ import annotations
 
 import json
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from .client import first_difference, percentile
 
 DOCUMENTED_503 = {"queue_full", "timeout", "shutting_down", "engine_unavailable"}
 RESTART_SLACK_S = 1.0  # after the new server answers /health: connections refused this long after still count as down
+GRACEFUL_S = 10.0  # serve's graceful-shutdown timeout (server.app.GRACEFUL_SHUTDOWN_S; the loadtest imports no server)
 
 
 def error_code(rec: dict) -> str | None:
@@ -142,19 +145,34 @@ def _down(r: dict, restart: dict | None) -> bool:
         r["t_end"] >= restart["t_sigterm"]
 
 
-def check_loss(records: list[dict], restart: dict | None) -> dict:
+def closed_unread(r: dict, restart: dict | None, graceful_s: float) -> bool:
+    """Whether the stopping server closed the connection without reading the request: no status, the connection
+    dropped between the SIGTERM and the old server's exit, and that exit clean (0, or uvicorn raising the SIGTERM
+    it caught again once shut down) and inside uvicorn's graceful timeout. A graceful exit answers every request it
+    read (its wait covers every started request cycle), so such a request was never taken, like a refused one; a
+    connection in the listen backlog or not yet read when the listener closes is dropped this way by any server."""
+    return (restart is not None and r.get("status") is None and not r.get("refused") and not r.get("hung_up")
+            and str(r.get("error") or "").startswith(("ReadError", "RemoteProtocolError"))
+            and restart.get("exit_code") in (0, -signal.SIGTERM) and restart.get("exit_s") is not None
+            and restart["exit_s"] < graceful_s
+            and restart["t_sigterm"] <= r["t_end"] <= restart["t_exit"] + RESTART_SLACK_S)
+
+
+def check_loss(records: list[dict], restart: dict | None, graceful_s: float = GRACEFUL_S) -> dict:
     bad = [_brief(r) for r in records if r.get("status") is None and r.get("error") and not r.get("hung_up")
-           and not (r.get("refused") and _down(r, restart))]
+           and not (r.get("refused") and _down(r, restart)) and not closed_unread(r, restart, graceful_s)]
     return _result(bad)
 
 
-def check_restart(records: list[dict], restart: dict | None) -> dict:
+def check_restart(records: list[dict], restart: dict | None, graceful_s: float = GRACEFUL_S) -> dict:
     if restart is None:
         return _result([], judged=False, detail="no restart (a server not launched here, or --soak-restart off)")
     during = [r for r in records if _down(r, restart)]
-    bad = [_brief(r) for r in during if not r.get("hung_up") and not r.get("refused") and (
+    unread = {r["i"] for r in during if closed_unread(r, restart, graceful_s)}
+    bad = [_brief(r) for r in during if not r.get("hung_up") and not r.get("refused") and r["i"] not in unread and (
         r.get("status") is None or (r["status"] == 200 and not (r.get("error_event") or r.get("done"))))]
     outcomes = Counter("refused" if r.get("refused") else "left by client" if r.get("hung_up") else
+                       "closed unread" if r["i"] in unread else
                        f"{r.get('status')}" + (f" {error_code(r)}" if error_code(r) else "") for r in during)
     return _result(bad, during=len(during), outcomes=dict(outcomes), **{k: v for k, v in restart.items()
                                                                           if not k.startswith("t_")})
