@@ -265,6 +265,22 @@ def test_catch_up_cost_decides_whether_auto_runs_the_draft(step_clock, prompt_le
         assert draft.modelled_s > 9.0  # the catch-up is in what the step is modelled to cost
 
 
+def test_catch_up_is_weighed_against_the_generations_own_rate_without_the_model(step_clock):
+    """The (1000, 400) case above reads: its saving is reckoned against plain decoding. The same drafter after
+    steps without the model that went at 8 tokens a plain step's time (a copy ridden) saves nothing by reading."""
+    ids = [(7 * i) % 200 for i in range(1000)]
+    riding = _lazy(400)
+    riding.prefill(ids[:-1])
+    riding.state.record_step(False, 80, 10.0, 10.0)  # 8 tokens in a plain step's modelled time
+    riding.propose(ids, 4, GREEDY)
+    assert len(riding.model.lm) == 0  # not read
+    slow = _lazy(400)
+    slow.prefill(ids[:-1])
+    slow.state.record_step(False, 10, 10.0, 10.0)  # as slow as plain steps: the reading pays as before
+    slow.propose(ids, 4, GREEDY)
+    assert len(slow.model.lm) > 0
+
+
 def test_catch_up_is_not_counted_in_the_measured_step_rate(step_clock):
     drafter = _lazy(400)
     ids = [(7 * i) % 200 for i in range(1000)]

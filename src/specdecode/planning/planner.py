@@ -109,6 +109,7 @@ class TreeState(Acceptance):
         # (another process was busy then, the machine changed speed); the two measured rates cannot.
         self.measured = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.measure = False  # decide by the measured rates (the auto method) rather than the modelled ones
+        self.totals = {True: [0, 0.0], False: [0, 0.0]}  # (tokens, modelled seconds) of each kind of step, all
 
     def draft_alpha(self) -> float:
         """The draft's per-token acceptance along a chain (its first choices), learned in this generation
@@ -120,9 +121,18 @@ class TreeState(Acceptance):
         tokens, seconds = self.measured[with_model]
         return tokens / seconds if tokens >= MEASURED_MIN_TOKENS and seconds > 0 else None
 
-    def record_step(self, with_model: bool, tokens: int, seconds: float) -> None:
+    def generation_rate(self, with_model: bool) -> float | None:
+        """Tokens per modelled second of this generation's steps with (or without) the draft model so far: the
+        cost model's seconds of the passes they ran, so that it compares with the cost model's other rates."""
+        tokens, seconds = self.totals[with_model]
+        return tokens / seconds if tokens >= MEASURED_MIN_TOKENS and seconds > 0 else None
+
+    def record_step(self, with_model: bool, tokens: int, seconds: float, modelled_s: float | None = None) -> None:
         t, s = self.measured[with_model]
         self.measured[with_model] = [MEASURED_DECAY * t + tokens, MEASURED_DECAY * s + seconds]
+        if modelled_s is not None:
+            self.totals[with_model][0] += tokens
+            self.totals[with_model][1] += modelled_s
 
     def learn_rate(self, rate: float, plain_rate: float) -> None:
         """After a step with the draft model (modelled rate `rate`): stop using it for a while when its

@@ -197,14 +197,18 @@ class TreeDrafter:
         """Whether this step should run the draft model (the auto method): a draft chain at the learned
         acceptance must beat plain decoding at this context by AUTO_MARGIN on the measured costs, and
         the seconds it is expected to save over the tokens still to come must exceed what reading the
-        unseen text (the prompt, or what was written while it was not run) costs first."""
+        unseen text (the prompt, or what was written while it was not run) costs first. Those seconds are
+        saved against this generation's own rate without the model so far (plain decoding's before any step):
+        where it rides a copy of the prompt at several tokens a pass, a draft chain saves little or nothing."""
         now = self._now
         speedup = chain_speedup(now, self.state.draft_alpha())
         if speedup <= AUTO_MARGIN:
             return False
         left = self.remaining if self.remaining is not None else MAX_DEPTH
-        saved = left * now.t(1) * (1 - 1 / speedup)
-        return saved > now.read(max(0, self.model.unread(len(ids)) - 1))
+        without = max(1 / now.t(1), self.state.generation_rate(False) or 0.0)
+        saved = left * max(0.0, 1 / without - now.t(1) / speedup)
+        unread = max(0, self.model.unread(len(ids)) - 1)
+        return saved > now.read(unread) if unread else True
 
     def _children(self, parent: int, logits: torch.Tensor, depth: int, params: SamplingParams, generator) -> list[int]:
         v_parent = 1.0 if parent < 0 else self.nodes[parent].value
@@ -362,7 +366,8 @@ class TreeDrafter:
         if self.adaptive and self.model is not None:
             used = bool(self.spent)  # this step ran the draft model
             # the step's own seconds: catching up is paid once, and was weighed before running the draft
-            self.state.record_step(used, len(path) + 1, time.perf_counter() - self._t0 - self.catchup_s)
+            self.state.record_step(used, len(path) + 1, time.perf_counter() - self._t0 - self.catchup_s,
+                                   self.spent + self._now.t(len(kept) + 1))
             if used:
                 rate = (len(path) + 1) / (self.spent + self._now.t(len(kept) + 1))
                 self.state.learn_rate(rate, 1.0 / self._now.t(1))
