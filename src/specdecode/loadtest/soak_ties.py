@@ -24,6 +24,7 @@ def score_partings(pairs: list[dict], target: str, threads: int | None = None) -
     engine = Engine.load(target, None, backend="llama.cpp", with_draft=False, progress=False, threads=threads)
     lm, out = engine.target, {}
     tol = lm.tolerances()["tie"]
+    scored: dict[tuple, dict] = {}  # the same prompt parting the same way (a built-in prompt sent again): one pass
     for p in pairs:
         body = p["body"]
         chat = "messages" in body
@@ -33,11 +34,14 @@ def score_partings(pairs: list[dict], target: str, threads: int | None = None) -
         if j is None or len(prompt) + j >= lm.max_length:
             out[str(p["i"])] = {"gap": None, "tie": tol, "why": "the texts do not part on a token"}
             continue
-        lm.reset()
-        logits = lm.forward(prompt + list(a[:j]), last_only=True).reshape(-1).float()
-        lm.reset()
-        top = int(logits.argmax())
-        gap = float(logits[a[j]] - logits[b[j]])
-        out[str(p["i"])] = {"gap": round(gap, 4), "tie": tol, "near_tie": abs(gap) <= tol,
-                            "tokens": [int(a[j]), int(b[j])], "alone_top": top in (a[j], b[j])}
+        key = (tuple(prompt), tuple(a[:j + 1]), b[j])
+        if key not in scored:
+            lm.reset()
+            logits = lm.forward(prompt + list(a[:j]), last_only=True).reshape(-1).float()
+            lm.reset()
+            top = int(logits.argmax())
+            gap = float(logits[a[j]] - logits[b[j]])
+            scored[key] = {"gap": round(gap, 4), "tie": tol, "near_tie": abs(gap) <= tol,
+                           "tokens": [int(a[j]), int(b[j])], "alone_top": top in (a[j], b[j])}
+        out[str(p["i"])] = dict(scored[key])
     return out
