@@ -1,8 +1,17 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# llama.cpp's passes are OpenMP teams (default_threads(): every core) whose threads spin at each of a graph's many
+# barriers; beside another busy worker, a spinning thread holds the core its teammate waits for, and a pass takes a
+# scheduler slice per barrier (the 2-thread exact-mode measurement: 97 s spinning, 1.7 s sleeping, the same limits).
+# libgomp reads the policy once, when it loads, and llama.cpp shares torch's copy: set before torch is imported. It
+# reaches the processes the tests start too. Bits do not depend on it, only how a waiting thread waits.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

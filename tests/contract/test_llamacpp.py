@@ -565,6 +565,7 @@ def test_prompt_longer_than_the_context(files):
     assert leftovers(cache_dir()) == []
 
 
+@pytest.mark.process
 def test_small_context_gguf_is_not_a_crash(files, tmp_path):
     """A GGUF whose context is below 256 tokens must load (or fail with SpecDecodeError), never abort the
     process. Run in a child process: llama.cpp aborts with GGML_ASSERT(n_outputs_max <= ...) here."""

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- without Ray -------------------------------------------------------------------------------------------------------
+@pytest.mark.process
 def test_ray_is_an_optional_extra():
     """The core install does not pull Ray, the test extra does (CI runs these tests), and neither importing
     specdecode nor its server imports it."""
@@ -38,6 +39,7 @@ def test_ray_is_an_optional_extra():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.process
 def test_serve_ray_without_ray_names_the_extra(tiny_dirs):
     target, _ = tiny_dirs
     code = f"""

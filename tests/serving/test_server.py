@@ -722,6 +722,7 @@ def test_serve_usage_errors(args, match, capsys):
     assert err.startswith("specdecode: error:") and match in err and err.count("\n") == 1
 
 
+@pytest.mark.process
 def test_serve_command_matches_generate(tiny_dirs, capsys):
     """`specdecode serve` in a subprocess: greedy HTTP output equals `specdecode generate --json`."""
     target, draft = tiny_dirs

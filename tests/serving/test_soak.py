@@ -20,6 +20,7 @@ def tiny_pair(tmp_path_factory):
     return write_tiny_gguf(root / "t.gguf", 0, hidden=128), write_tiny_gguf(root / "d.gguf", 1)
 
 
+@pytest.mark.process
 def test_short_soak_against_a_launched_server(tiny_pair, tmp_path, monkeypatch, capsys):
     """Every kind of request sent, the server restarted halfway, every criterion judged and passed. Greedy answers
     may differ from alone at a near-tie of the top two logits, which these random models have often (measured: a
@@ -195,6 +196,11 @@ def test_partings_are_scored_by_the_target_alone(tiny_pair):
         assert res["near_tie"] == (abs(res["gap"]) <= res["tie"]) and res["tie"] == engine.target.tolerances()["tie"]
     same = score_partings([{"i": 6, "body": {"prompt": "x"}, "alone": alone, "under_load": alone}], target, threads=1)
     assert same["6"]["gap"] is None  # texts that do not part on a token are not scored
+    body = {"prompt": "def add(a, b):"}
+    twice = score_partings([{"i": i, "body": body, "alone": alone, "under_load": under_load} for i in (7, 8)] +
+                           [{"i": 9, "body": body, "alone": under_load, "under_load": alone}], target, threads=1)
+    assert twice["7"] == twice["8"] and twice["7"] is not twice["8"]  # scored once, reported for each
+    assert twice["9"]["gap"] == pytest.approx(-twice["7"]["gap"], abs=1e-3)  # the other way round: scored again
 
 
 def fake_transport(events: list[str], status: int = 200):

@@ -52,6 +52,7 @@ def _fake_binary(tmp_path) -> Path:
     return exe
 
 
+@pytest.mark.process
 def test_bench_llama_server_peers_through_a_stand_in_server(tmp_path, prompts, monkeypatch, capsys):
     """One server per peer for the whole run (its command line launch.servers' with one slot), each prompt's tokens
     as the stream carried them (equal to the llama.cpp peer's on the same file), TTFT and decode speed."""
@@ -87,6 +88,7 @@ def test_bench_llama_server_peers_through_a_stand_in_server(tmp_path, prompts, m
     assert "| llama-server-ngram |" in (out / "report.md").read_text()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server not built (specdecode loadtest --build-llama-server)")
 def test_bench_real_llama_server_peers(tmp_path, prompts, capsys):
     """llama.cpp's own server, plain, with the draft and with n-gram speculation, on tiny GGUF files."""

@@ -34,6 +34,7 @@ def test_json_output_matches_python_api(tiny_dirs, capsys):
     assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
 
 
+@pytest.mark.process
 def test_tree_method_json_and_stats_line(tiny_dirs, capsys):
     target, draft = tiny_dirs
     code = main(["generate", "hello", "--target", str(target), "--draft", str(draft), "--method", "tree",
@@ -52,6 +53,7 @@ def test_tree_method_json_and_stats_line(tiny_dirs, capsys):
     assert "[tree nodes/pass" in r.stderr and "expected tokens/pass" in r.stderr
 
 
+@pytest.mark.process
 def test_streamed_text_then_stats_line(tiny_dirs):
     target, _ = tiny_dirs
     r = cli("generate", "abc", "--target", str(target), "--method", "pld", "--max-new-tokens", "16",
@@ -60,6 +62,7 @@ def test_streamed_text_then_stats_line(tiny_dirs):
     assert "[pld gamma=4] 16 tokens" in r.stderr and "finish: length" in r.stderr
 
 
+@pytest.mark.process
 def test_stdin_prompt_and_chat(tiny_dirs):
     target, _ = tiny_dirs
     r = cli("generate", "-", "--chat", "--target", str(target), "--method", "autoregressive",
@@ -86,6 +89,7 @@ BAD_INPUT = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("args, engine", BAD_INPUT, ids=[" ".join(a[2:]) or "empty" for a, _ in BAD_INPUT])
 def test_bad_input_exit_2_with_the_engines_message(tiny_dirs, args, engine):
     target, _ = tiny_dirs
@@ -102,6 +106,7 @@ def test_bad_input_exit_2_with_the_engines_message(tiny_dirs, args, engine):
     assert lines[0] == f"specdecode: error: {e.value}"
 
 
+@pytest.mark.process
 def test_serve_and_bench_without_their_extras(tiny_dirs):
     """`import specdecode` and `specdecode generate` need neither the server nor the bench packages; serve and
     bench name the extra to install."""
@@ -124,6 +129,7 @@ assert main(["bench", "--prompts", "p.jsonl"]) == 2
     assert "pip install \"specdecode[bench]\"" in errors[1] and "matplotlib" in errors[1]
 
 
+@pytest.mark.process
 def test_missing_model_exit_2(tmp_path):
     r = cli("generate", "x", "--method", "pld", "--target", str(tmp_path / "nope"))
     assert r.returncode == 2 and "not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -132,6 +138,7 @@ def test_missing_model_exit_2(tmp_path):
     assert r.returncode == 2 and "config.json" in r.stderr
 
 
+@pytest.mark.process
 def test_incompatible_draft_exit_2(tiny_dirs, tmp_path):
     from tiny import tiny_model
     from transformers import PreTrainedTokenizerFast
@@ -145,6 +152,7 @@ def test_incompatible_draft_exit_2(tiny_dirs, tmp_path):
     assert r.returncode == 2 and "tokenizers differ" in r.stderr
 
 
+@pytest.mark.process
 def test_python_m_and_console_script_help():
     assert cli("--help").returncode == 0
     # the console script installed beside this interpreter, whether or not its bin/ is on PATH

@@ -112,6 +112,7 @@ def test_only_the_command_restarts_at_import(argv, command):
     assert hugepages.launched_as_command(argv) is command
 
 
+@pytest.mark.process
 @pytest.mark.skipif(hugepages.restart_argv({}) is None, reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, or no glibc >= 2.35): the command has nothing to restart for")
 @pytest.mark.parametrize("command", [["-m", "specdecode"], ["-m", "specdecode.cli"]])
 def test_the_command_restarts_itself(tmp_path, command):
@@ -143,6 +144,7 @@ IMPORT_ONLY = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 def test_importing_the_package_restarts_nothing_and_loads_no_torch(tmp_path):
     """`import specdecode` from a script the huge-pages check takes for the command (it is named `specdecode`) has no
     effect on the process: no restart, no torch; the package's names load on first use."""

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import specdecode
 from specdecode.drafters import Drafter, DraftModel, PromptLookup
 from specdecode.backends import LM, CachedLM
@@ -159,6 +161,7 @@ def test_no_import_cycles():
     assert graph["specdecode.host"] <= host
 
 
+@pytest.mark.process
 def test_the_load_test_and_the_command_line_load_no_torch():
     """`specdecode loadtest` runs beside the servers it measures: its modules and launch/'s load no torch; nor do the
     package and the CLI module (the command restarts for huge pages before anything loads torch). The engine, the

@@ -1,5 +1,5 @@
 """The test suite's own layout: test files live in folders by contract and cost, with names that say what they
-test, and the cost markers are the registered three (`stat`, `model`, `cluster`)."""
+test, and the cost markers are the registered four (`stat`, `model`, `cluster`, `process`)."""
 import re
 import tomllib
 from pathlib import Path
@@ -9,7 +9,7 @@ ROOT = TESTS.parent
 FOLDERS = {"unit", "contract", "engine", "law", "serving", "tools", "models"}
 HELPERS = {"conftest.py", "tiny.py", "tinygguf.py", "helpers.py", "fake_llama_server.py"}
 HISTORY_WORDS = {"issue", "run", "stop", "silent"}  # what happened, not what is tested
-MARKERS = {"stat", "model", "cluster"}
+MARKERS = {"stat", "model", "cluster", "process"}
 
 
 def layout_errors(paths: list[str]) -> list[str]:
@@ -65,5 +65,5 @@ def test_the_cost_markers_are_registered_and_slow_is_gone():
     for path in TESTS.rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"mark\.slow\b", text), path
-        used |= set(re.findall(r"pytest\.mark\.(stat|model|cluster)\b", text))
+        used |= set(re.findall(r"pytest\.mark\.(stat|model|cluster|process)\b", text))
     assert used == MARKERS
