@@ -145,7 +145,7 @@ def _down(r: dict, restart: dict | None) -> bool:
         r["t_end"] >= restart["t_sigterm"]
 
 
-def closed_unread(r: dict, restart: dict | None, graceful_s: float) -> bool:
+def closed_unread(r: dict, restart: dict | None) -> bool:
     """Whether the stopping server closed the connection without reading the request: no status, the connection
     dropped between the SIGTERM and the old server's exit, and that exit clean (0, or uvicorn raising the SIGTERM
     it caught again once shut down) and inside uvicorn's graceful timeout. A graceful exit answers every request it
@@ -154,21 +154,21 @@ def closed_unread(r: dict, restart: dict | None, graceful_s: float) -> bool:
     return (restart is not None and r.get("status") is None and not r.get("refused") and not r.get("hung_up")
             and str(r.get("error") or "").startswith(("ReadError", "RemoteProtocolError"))
             and restart.get("exit_code") in (0, -signal.SIGTERM) and restart.get("exit_s") is not None
-            and restart["exit_s"] < graceful_s
+            and restart["exit_s"] < GRACEFUL_S
             and restart["t_sigterm"] <= r["t_end"] <= restart["t_exit"] + RESTART_SLACK_S)
 
 
-def check_loss(records: list[dict], restart: dict | None, graceful_s: float = GRACEFUL_S) -> dict:
+def check_loss(records: list[dict], restart: dict | None) -> dict:
     bad = [_brief(r) for r in records if r.get("status") is None and r.get("error") and not r.get("hung_up")
-           and not (r.get("refused") and _down(r, restart)) and not closed_unread(r, restart, graceful_s)]
+           and not (r.get("refused") and _down(r, restart)) and not closed_unread(r, restart)]
     return _result(bad)
 
 
-def check_restart(records: list[dict], restart: dict | None, graceful_s: float = GRACEFUL_S) -> dict:
+def check_restart(records: list[dict], restart: dict | None) -> dict:
     if restart is None:
         return _result([], judged=False, detail="no restart (a server not launched here, or --soak-restart off)")
     during = [r for r in records if _down(r, restart)]
-    unread = {r["i"] for r in during if closed_unread(r, restart, graceful_s)}
+    unread = {r["i"] for r in during if closed_unread(r, restart)}
     bad = [_brief(r) for r in during if not r.get("hung_up") and not r.get("refused") and r["i"] not in unread and (
         r.get("status") is None or (r["status"] == 200 and not (r.get("error_event") or r.get("done"))))]
     outcomes = Counter("refused" if r.get("refused") else "left by client" if r.get("hung_up") else

@@ -366,9 +366,8 @@ class TreeDrafter:
         if self.adaptive and self.model is not None:
             used = bool(self.spent)  # this step ran the draft model
             # the step's own seconds: catching up is paid once, and was weighed before running the draft
-            self.state.record_step(used, len(path) + 1, time.perf_counter() - self._t0 - self.catchup_s,
-                                   self.spent + self._now.t(len(kept) + 1))
+            modelled_s = self.spent + self._now.t(len(kept) + 1)  # the step's drafting and verification
+            self.state.record_step(used, len(path) + 1, time.perf_counter() - self._t0 - self.catchup_s, modelled_s)
             if used:
-                rate = (len(path) + 1) / (self.spent + self._now.t(len(kept) + 1))
-                self.state.learn_rate(rate, 1.0 / self._now.t(1))
+                self.state.learn_rate((len(path) + 1) / modelled_s, 1.0 / self._now.t(1))
         self.kept, self.nodes = [], []
