@@ -118,6 +118,9 @@ def test_a_connection_the_stopping_server_closed_unread_is_not_a_loss():
     late = {**unread, "t_start": 13.0, "t_end": 13.2}  # the old server had gone; nothing was listening to close it
     assert {"no_silent_loss", "restart"} <= failing(soak_out([late], restart=restart))
     assert "no_silent_loss" in failing(soak_out([unread]))  # no restart at all
+    oversized = {**unread, "kind": "oversized"}  # a refusal the stopping server never read: not a refusal missed
+    assert failing(soak_out([oversized], restart=restart)) == set()
+    assert "refusals" in failing(soak_out([{**oversized, "t_end": 13.2}], restart=restart))  # control: too late
 
 
 def test_the_checker_knows_the_servers_graceful_timeout():
@@ -201,6 +204,44 @@ def test_partings_are_scored_by_the_target_alone(tiny_pair):
                            [{"i": 9, "body": body, "alone": under_load, "under_load": alone}], target, threads=1)
     assert twice["7"] == twice["8"] and twice["7"] is not twice["8"]  # scored once, reported for each
     assert twice["9"]["gap"] == pytest.approx(-twice["7"]["gap"], abs=1e-3)  # the other way round: scored again
+
+
+def test_a_stop_cut_token_is_any_the_text_and_the_stops_allow():
+    """The server cuts the text before a stop string, so a shown `:` may have been `:\n\n`; a token past the stop's
+    start, or one that does not begin with the shown text, may not."""
+    from specdecode.loadtest.soak_ties import cut_by_stop
+    pieces = [":", ":\n", ":\n\n", ".", ":x", "a:", ":ret", ": return", ":return 1"]
+    assert cut_by_stop(":", pieces, ["\n"]) == [0, 1, 2]
+    assert cut_by_stop(":", pieces, ["\n", "return"]) == [0, 1, 2, 6, 8]
+    assert cut_by_stop(".", pieces, ["\n"]) == [3]
+
+
+def test_a_parting_on_a_stop_cut_token_is_scored_on_the_best_token_the_text_allows(tiny_pair):
+    """Where one answer was cut by a stop string right at the parting, its side is the best-scored token whose text
+    begins with what is shown and goes on into a stop; without the stop (control) it is the re-encoded token."""
+    from specdecode import Engine
+    from specdecode.loadtest.soak_ties import cut_by_stop, first_tokens_apart, score_partings
+    target = str(tiny_pair[0])
+    engine = Engine.load(target, None, backend="llama.cpp", with_draft=False, progress=False, threads=1)
+    body = {"prompt": "def add(a, b):", "stop": ["\n"]}
+    alone, under_load = "    return a:", "    return a. b"
+    a, b = engine.encode_prediction(alone), engine.encode_prediction(under_load)
+    j = first_tokens_apart(list(a), list(b))
+    assert j == len(a) - 1
+    logits = engine.target.forward(engine.encode(body["prompt"]) + list(a[:j]), last_only=True).reshape(-1).float()
+    engine.target.reset()
+    pieces = [engine.decode([t]) for t in range(int(logits.shape[0]))]
+    options = cut_by_stop(engine.decode(list(a[j:])), pieces, ["\n"])
+    best = max(options, key=lambda t: float(logits[t]))
+    pair = {"i": 1, "body": body, "alone": alone, "under_load": under_load, "under_load_finish": "length"}
+    cut = score_partings([{**pair, "alone_finish": "stop"}], target, threads=1)["1"]
+    assert cut["tokens"] == [best, b[j]] and cut["stop_cut"] == [True, False]
+    assert cut["gap"] == pytest.approx(float(logits[best] - logits[b[j]]), abs=1e-3)
+    plain = score_partings([{**pair, "alone_finish": "length"}], target, threads=1)["1"]  # control: not cut
+    assert plain["tokens"] == [a[j], b[j]] and "stop_cut" not in plain
+    both = score_partings([{**pair, "alone_finish": "stop", "under_load": alone, "under_load_finish": "stop"}],
+                          target, threads=1)["1"]
+    assert both["gap"] is None  # the same text on both sides does not part
 
 
 def fake_transport(events: list[str], status: int = 200):

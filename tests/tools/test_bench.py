@@ -167,6 +167,33 @@ def test_bench_end_to_end_on_tiny_models(tiny_dirs, prompt_file, tmp_path, capsy
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_bench_reuses_what_reads_no_prediction(tiny_dirs, tmp_path, capsys):
+    """The same prompt sent with and without a prediction: a peer answers it once (its second row is the first's,
+    marked reused); our methods run both (plain decoding too: with --route a prediction can change its engine)."""
+    target, draft = tiny_dirs
+    prompts = tmp_path / "edits.jsonl"
+    rows = [{"task_id": "e1", "prompt": "def add(a, b):", "category": "edit", "prediction": "    return a + b\n"},
+            {"task_id": "e1-none", "prompt": "def add(a, b):", "category": "edit"},
+            {"task_id": "e2", "prompt": "def sub(a, b):", "category": "edit"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert main(["bench", "--prompts", str(prompts), "--methods", "pld,hf-assisted", "--max-new-tokens", "8",
+                 "--target", str(target), "--draft", str(draft), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    by = {(r["prompt_id"], r["method"]): r for r in results["prompts"]}
+    m = "hf-assisted"
+    assert by[("e1-none", m)].get("reused") and not by[("e1", m)].get("reused")
+    assert by[("e1-none", m)]["wall_s"] == by[("e1", m)]["wall_s"]
+    assert not by[("e2", m)].get("reused")  # another prompt: run afresh
+    assert not any(r.get("reused") for r in results["prompts"] if r["method"] != m)
+    assert "Reused runs: 1 (" in (out / "report.md").read_text()
+    # control: sampled, nothing is reused (a second draw is a new measurement)
+    out2 = tmp_path / "out2"
+    assert main(["bench", "--prompts", str(prompts), "--methods", "pld", "--max-new-tokens", "8", "--temperature",
+                 "0.7", "--target", str(target), "--draft", str(draft), "--out", str(out2)]) == 0
+    assert not any(r.get("reused") for r in json.loads((out2 / "results.json").read_text())["prompts"])
+
+
 def test_bench_tree_method(tiny_dirs, prompt_file, tmp_path, capsys):
     target, draft = tiny_dirs
     out = tmp_path / "out"

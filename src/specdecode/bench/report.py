@@ -55,6 +55,9 @@ def _head(results: dict) -> list[str]:
                if cfg.get("datastore") else [f"Lookup sources: history {cfg['history_tokens']:,} tokens per method\n"]
                if cfg.get("history_tokens") else []),
              *([f"Draft output layer: {cfg['draft_vocab']:,} rows (FR-Spec)\n"] if cfg.get("draft_vocab") else []),
+             *([f"Reused runs: {reused} (a peer on a prompt it had answered in this run, sent again with another "
+                "prediction, which peers do not read: each counts with the first run's answer and seconds)\n"]
+               if (reused := sum(bool(r.get("reused")) for r in results.get("prompts", []))) else []),
              "| method | tok/s | speedup vs autoregressive | tokens per target pass (τ) | acceptance rate | α | "
              "draft cost c | verify cost v | Leviathan bound | efficiency | bound with measured v | greedy agreement |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -69,6 +69,7 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
     histories = {m: History(history.max_tokens) if history is not None else None for m in methods}
     engine.history = None
     rows = []
+    reuse = PeerAnswers(greedy and history is None)
     runs = sum(len(p.get("turns") or [0]) for p in prompts) * len(methods)
     bar = tqdm(total=runs, desc="bench", unit="run", disable=not progress)
     try:
@@ -81,8 +82,8 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
             # prompts), so no method keeps the first place
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:
                 engine.history = histories[m]
-                rows += _turns(p, m, bar, lambda run, m: _run_one(engine, run, m, gamma, max_new_tokens, temperature,
-                                                                  seed, tree, peers))
+                rows += _turns(p, m, bar, lambda run, m: reuse(run, m, lambda: _run_one(
+                    engine, run, m, gamma, max_new_tokens, temperature, seed, tree, peers)))
     finally:
         engine.history = history
         close_peers(peers)
@@ -127,6 +128,24 @@ def _turns(p: dict, m: str, bar, run_one) -> list[dict]:
             messages = messages + [{"role": "assistant", "content": r["text"]}]
         bar.update(1)
     return rows
+
+
+class PeerAnswers:
+    """A greedy peer reads no prediction, so it answers a prompt it has answered before (the same edit sent with
+    and without its prediction) as it did then: that row is reused, marked so. Not our plain decoding: with
+    --route, a prediction's length can change the engine it runs on."""
+
+    def __init__(self, on: bool):
+        self.on, self.answered = on, {}
+
+    def __call__(self, run: dict, method: str, fresh) -> dict:
+        if not self.on or method not in PEERS:
+            return fresh()
+        key = (method, repr(run["prompt"]), bool(run.get("chat")))
+        if key not in self.answered:
+            self.answered[key] = fresh()
+            return self.answered[key]
+        return {**self.answered[key], "reused": True}
 
 
 def _make_peers(engine, methods: list[str], llama_server: str | None, log_dir) -> dict:

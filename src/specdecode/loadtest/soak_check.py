@@ -100,7 +100,8 @@ def greedy_partings(records: list[dict], recheck: list[dict]) -> tuple[list[dict
         at = first_difference(ref["text"], r["text"])
         if at is not None:
             parted.append({**_brief(r), "i": r["i"], "body": r["body"], "at_char": at, "alone": ref["text"],
-                           "under_load": r["text"]})
+                           "under_load": r["text"], "alone_finish": ref.get("finish_reason"),
+                           "under_load_finish": r.get("finish_reason")})
     return parted, compared, unanswered
 
 
@@ -178,9 +179,11 @@ def check_restart(records: list[dict], restart: dict | None) -> dict:
                                                                           if not k.startswith("t_")})
 
 
-def check_refusals(records: list[dict]) -> dict:
+def check_refusals(records: list[dict], restart: dict | None = None) -> dict:
+    """Every malformed or oversized request got a 4xx, or met a server that was down or closed it unread as it
+    stopped (closed_unread: the restart criterion judges those)."""
     bad = [_brief(r) for r in records if r["kind"] in ("malformed", "oversized") and not r.get("refused")
-           and not (r.get("status") is not None and 400 <= r["status"] < 500)]
+           and not (r.get("status") is not None and 400 <= r["status"] < 500) and not closed_unread(r, restart)]
     return _result(bad)
 
 
@@ -240,7 +243,7 @@ def judge(out: dict) -> dict:
             "terminal_events": check_terminal(everything),
             "no_silent_loss": check_loss(everything, restart),
             "restart": check_restart(records, restart),
-            "refusals": check_refusals(records),
+            "refusals": check_refusals(records, restart),
             "idle_memory": check_idle(out.get("idle") or {}, cfg["drift"]),
             "latency": check_latency(out["quiet"], records, restart, cfg["latency_factor"], cfg["latency_floor_s"])}
 
