@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from .backends import as_lm
+from .backends import as_lm, torch_threads_for
 from .checks import check_request, positive_int, tree_nodes_cap
 from .drafters import (DRAFT_WINDOW, Datastore, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, followed, tokenizer_fingerprint)
@@ -301,6 +301,7 @@ class Engine:
         the reverse however it ends (exhausted, an error, or closed between steps: a client gone)."""
         with ExitStack() as around:
             around.enter_context(self.lease.held("starting a second generation"))  # the models' one KV cache each
+            around.enter_context(torch_threads_for(self.target))
             out: list[int] = []
             if history is not None:
                 around.callback(history.add, out)  # its output (never the prompt), however it ends

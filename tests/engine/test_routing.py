@@ -92,6 +92,29 @@ def test_route_end_to_end_on_a_tiny_gguf(tmp_path, monkeypatch):
         Router.load(str(gguf), None, dtype="fp32", progress=False)
 
 
+def test_a_llama_cpp_generation_beside_a_torch_model_reads_logits_on_one_torch_thread(tmp_path, monkeypatch):
+    """With a torch model loaded (--route), torch keeps its threads for that model; a generation on llama.cpp
+    runs with one (another would spin on a core llama.cpp's threads need) and gives them back; a generation on
+    torch keeps them (the control)."""
+    import torch
+    from tinygguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
+    monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")
+    both = Router.load(str(gguf), None, progress=False, with_draft=False, threads=2)
+    torch.set_num_threads(2)
+    seen = {}
+    for name, engine in both.engines.items():
+        forward = engine.target.forward
+
+        def spy(*args, _name=name, _forward=forward, **kwargs):  # the thread count inside each target pass
+            seen.setdefault(_name, set()).add(torch.get_num_threads())
+            return _forward(*args, **kwargs)
+        monkeypatch.setattr(engine.target, "forward", spy)
+        engine.generate("hello hello hello", method="autoregressive", max_new_tokens=4)
+        assert torch.get_num_threads() == 2  # given back after the generation
+    assert seen == {"llama.cpp": {1}, "torch": {2}}
+
+
 def test_route_refuses_batching():
     from specdecode.slots import Slots
     r = Router.__new__(Router)

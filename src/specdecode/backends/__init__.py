@@ -5,12 +5,13 @@ this package code asks an LM what it can do (its members), never which backend i
 from .base import LM
 from .loading import (BACKENDS, BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_QUANT_CHOICES, ChunkedGGUF, as_lm,
                       assemble, cache_dir, check_draft_vocab, converted, gguf_tokenizer, load_draft_lm, load_lm,
-                      load_model, load_tokenizer, resolve_backend)
+                      load_model, load_tokenizer, resolve_backend, torch_threads_for)
 from .torch_lm import CachedLM
 
 __all__ = ["LM", "CachedLM", "LlamaLM", "as_lm", "BACKENDS", "BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET",
            "DRAFT_QUANT_CHOICES", "ChunkedGGUF", "assemble", "cache_dir", "check_draft_vocab", "converted",
-           "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend", "slots",
+           "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend",
+           "torch_threads_for", "slots",
            "Lockstep", "NO_AMX_FLAGS", "node_ids", "time_mixing"]
 # the llama.cpp subpackage's names that code outside backends/ uses (continuous batching's slots, the llama-server
 # build), loaded on first use: importing this package loads none of the llama.cpp modules

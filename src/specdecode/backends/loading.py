@@ -12,7 +12,9 @@ import hashlib
 import importlib.metadata as md
 import os
 import shutil
+import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,23 @@ from .torch_lm import CachedLM
 # thread): 11.0 tok/s, 15.3 with torch on one thread. A torch model loaded afterwards gets them back.
 _lowered_from: int | None = None
 _torch_models = False
+
+
+@contextmanager
+def torch_threads_for(lm):
+    """torch's intra-op threads while `lm` generates. A llama.cpp model's generation uses torch only to read logits:
+    one thread, as load_lm leaves it where no torch model is loaded (see _lowered_from), also in a process that
+    holds a torch model beside it (--route). Restored after."""
+    llamacpp = sys.modules.get(f"{__package__}.llamacpp")  # not loaded: lm is no llama.cpp model
+    before = torch.get_num_threads()
+    if llamacpp is None or not isinstance(lm, llamacpp.LlamaLM) or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
