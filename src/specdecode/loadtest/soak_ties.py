@@ -71,10 +71,9 @@ def score_partings(pairs: list[dict], target: str, threads: int | None = None) -
                 tokens.append(max(options, key=lambda t: float(logits[t])) if options else int(ids[j]))
             if tokens[0] == tokens[1]:  # both texts allow the same token: nothing tells the two apart
                 scored[key] = {"gap": None, "tie": tol, "why": "both stop-cut texts allow the same token"}
-                out[str(p["i"])] = dict(scored[key])
-                continue
-            gap = float(logits[tokens[0]] - logits[tokens[1]])
-            scored[key] = {"gap": round(gap, 4), "tie": tol, "near_tie": abs(gap) <= tol, "tokens": tokens,
-                           "alone_top": top in tokens, **({"stop_cut": list(cut)} if any(cut) else {})}
+            else:
+                gap = float(logits[tokens[0]] - logits[tokens[1]])
+                scored[key] = {"gap": round(gap, 4), "tie": tol, "near_tie": abs(gap) <= tol, "tokens": tokens,
+                               "alone_top": top in tokens, **({"stop_cut": list(cut)} if any(cut) else {})}
         out[str(p["i"])] = dict(scored[key])
     return out
