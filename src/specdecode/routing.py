@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from .backends import compute
 from .engine import Engine
 from .errors import SpecDecodeError
 from .host import cache_dir, memory_available, write_json
@@ -105,7 +106,7 @@ class Router:
             raise SpecDecodeError("a router needs at least one engine")
         self.engines = engines
         self.primary = next(iter(engines.values()))
-        self.read_s = {name: read_seconds(e) for name, e in engines.items()} if len(engines) > 1 else {}
+        self.read_s = {n: compute.call(read_seconds, e) for n, e in engines.items()} if len(engines) > 1 else {}
         self.choices: dict[str, int] = {name: 0 for name in engines}
 
     @property
@@ -127,12 +128,11 @@ class Router:
                               **kwargs)
         engines = {"llama.cpp": primary}
         why = torch_unsuited(primary)
-        if why is None:
-            engines["torch"] = Engine.load(target, None, backend="torch", dtype="bf16", with_draft=False,
-                                           progress=progress, threads=threads,
-                                           history_tokens=kwargs.get("history_tokens", 0),
-                                           datastore=kwargs.get("datastore"))
-            engines["torch"].tree_costs()  # measured now (once per machine), not in the first request
+        if why is None:  # loaded, measured and run on the compute thread: torch and llama.cpp share one OpenMP pool
+            engines["torch"] = compute.call(lambda: Engine.load(
+                target, None, backend="torch", dtype="bf16", with_draft=False, progress=progress, threads=threads,
+                history_tokens=kwargs.get("history_tokens", 0), datastore=kwargs.get("datastore")))
+            compute.call(engines["torch"].tree_costs)  # measured now (once per machine), not in the first request
         elif progress:
             print(f"--route: llama.cpp only ({why})", flush=True)
         primary.tree_costs()
@@ -165,6 +165,8 @@ class Router:
             new = min(cap, len(prediction)) if prediction else min(cap, DEFAULT_NEW)
             name = self.choose(len(prompt_ids), new, COPY_ALPHA if drafts else 0.0)
         stream = self.engines[name].stream(prompt, **kwargs)
+        if len(self.engines) > 1:
+            stream.steps = compute.steps_on(stream.steps)  # one OpenMP pool for both engines (backends/compute.py)
         stream.stats.engine = name
         self.choices[name] += 1
         return stream

@@ -62,11 +62,11 @@ def test_flash_attention_off_by_default(gguf):
 def test_every_pass_runs_on_one_compute_thread_whoever_asks(gguf, monkeypatch):
     """libgomp keeps an OpenMP pool per thread that ran a pass, and with more pool threads than CPUs its
     barriers sleep instead of spinning (a 1-token pass 64 -> 82-90 ms on a 2-vCPU Xeon from a server's worker
-    thread): every llama_decode goes through backends.llamacpp.compute's one thread, from any thread, slots included."""
+    thread): every llama_decode goes through backends.compute's one thread, from any thread, slots included."""
     import threading
 
     from specdecode.backends import slots as make_slots
-    from specdecode.backends.llamacpp import compute
+    from specdecode.backends import compute
     from specdecode.backends.llamacpp.batching import Lockstep
     lm = LlamaLM(gguf, threads=1)
     callers, real = [], lm._lc.llama_decode

@@ -115,6 +115,44 @@ def test_a_llama_cpp_generation_beside_a_torch_model_reads_logits_on_one_torch_t
     assert seen == {"llama.cpp": {1}, "torch": {2}}
 
 
+def test_a_routed_generation_runs_on_the_compute_thread(tmp_path, monkeypatch):
+    """libgomp keeps a pool per thread that runs parallel ops, and with more pool threads than CPUs llama.cpp's
+    barriers sleep (backends/compute.py): a router runs every step of a generation, torch's passes included, on
+    the one compute thread, and closes it there (a stream left early frees its engine). Control: the same engine
+    called directly runs its passes on the caller's thread."""
+    import threading
+
+    from tinygguf import write_tiny_gguf
+
+    from specdecode.backends import compute
+    gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
+    monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")
+    both = Router.load(str(gguf), None, progress=False, with_draft=False)
+    seen = {}
+    for name, engine in both.engines.items():
+        forward = engine.target.forward
+
+        def spy(*args, _name=name, _forward=forward, **kwargs):  # the thread each target pass is asked from
+            seen.setdefault(_name, set()).add(threading.get_ident())
+            return _forward(*args, **kwargs)
+        monkeypatch.setattr(engine.target, "forward", spy)
+    worker = compute.call(threading.get_ident)
+    for name in both.engines:
+        monkeypatch.setattr(both, "choose", lambda *args, _name=name: _name)
+        out = both.generate("hello hello hello", method="auto", max_new_tokens=6)
+        assert out.stats.engine == name
+        stream = both.stream("hello hello", method="auto", max_new_tokens=50)
+        chunks = iter(stream)
+        next(chunks)
+        chunks.close()  # left after its first text
+        with both.engines[name].lease.held("a check"):  # the stream was closed: its engine is free again
+            pass
+    assert seen == {"llama.cpp": {worker}, "torch": {worker}}
+    seen.clear()
+    both.engines["torch"].generate("hello", method="autoregressive", max_new_tokens=2)
+    assert seen == {"torch": {threading.get_ident()}} != {"torch": {worker}}
+
+
 def test_route_refuses_batching():
     from specdecode.slots import Slots
     r = Router.__new__(Router)

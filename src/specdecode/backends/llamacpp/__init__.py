@@ -1,5 +1,5 @@
-"""The llama.cpp backend: a GGUF model on llama.cpp's CPU kernels behind the LM interface (lm.py: LlamaLM), the
-one thread every llama.cpp pass runs on (compute.py), continuous batching on one shared context (batching.py, cut
+"""The llama.cpp backend: a GGUF model on llama.cpp's CPU kernels behind the LM interface (lm.py: LlamaLM), passes
+run on the process's one compute thread (../compute.py), continuous batching on one shared context (batching.py, cut
 into calls by split.py), the draft's requantization (quantize.py) and the check of the build's AMX kernels
 (amx.py). llama-cpp-python's bindings are imported on first use only (lm._lib). Code outside backends/ reaches
 these names through specdecode.backends, never this package."""

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import SpecDecodeError
-from . import compute
+from .. import compute
 from ..base import common_start
 from .lm import MAX_SEQ, N_BATCH, LlamaLM
 from .split import plan_split

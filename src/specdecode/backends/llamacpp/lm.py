@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ...errors import SpecDecodeError
-from . import compute
+from .. import compute
 from .amx import amx_usable
 from ..base import LM
 
