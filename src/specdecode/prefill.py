@@ -50,7 +50,7 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     if drafter is not None:
         drafter.reset()
     ids, head, t = list(prompt_ids), [], time.perf_counter()
-    with target.feeding():
+    with target.reading_prompt():
         if whole:
             head = [argmax(_read(target, ids[keep:], interrupt, exact)[-1])]
             ids += head

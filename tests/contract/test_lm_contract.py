@@ -516,9 +516,6 @@ def test_random_operations_match_fresh_prefills(backend):
 ])
 def test_bad_parents_raise_and_leave_the_cache_usable(backend, parents):
     b, lm = backend, backend.lm
-    if parents == [6, 7, 3] and not b.is_llama:
-        pytest.skip("only llama.cpp refuses a node that hangs inside the committed text (CachedLM lets it attend to "
-                    "the whole trunk)")
     lm.forward(PROMPT)
     with pytest.raises(ValueError):
         lm.forward([ROOT, 11, 12], parents=parents)

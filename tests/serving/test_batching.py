@@ -97,7 +97,7 @@ def test_a_prompt_is_read_whole_while_no_other_generation_decodes(engine):
     slots = Slots(engine, 3, prefill_chunk=16)
     lock, slot = slots.lockstep, slots.engines[0].target
     assert slot.feed_step(700) == N_BATCH and slot.feed_step(200) == 200  # nobody live
-    with lock.generation(), slot.feeding():
+    with lock.generation(), slot.reading_prompt():
         assert slot.feed_step(200) == 200  # alone
         other, feed, stop = threading.Event(), threading.Event(), threading.Event()
 
@@ -105,7 +105,7 @@ def test_a_prompt_is_read_whole_while_no_other_generation_decodes(engine):
             with lock.generation():
                 other.set()
                 feed.wait(10)
-                with lock.feeding():  # the other generation reads its prompt now
+                with lock.reading_prompt():  # the other generation reads its prompt now
                     other.set()
                     stop.wait(10)
         t = threading.Thread(target=live_other)

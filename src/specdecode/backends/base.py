@@ -135,7 +135,7 @@ class LM(Protocol):
         """Make room for n tokens of text before a generation starts (a backend whose cache is sized up
         front grows it here; the default does nothing)."""
 
-    def feeding(self):
+    def reading_prompt(self):
         """A context manager held while a prompt is read (a batch slot then tells the others it is not decoding,
         so they do not wait for it; the default does nothing)."""
         return contextlib.nullcontext()

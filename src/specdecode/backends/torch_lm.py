@@ -196,6 +196,9 @@ class CachedLM(LM):
             i = start + j
             if not -1 <= par < i:
                 raise ValueError(f"token {j} of a tree pass has parent {par}; a parent must come before it")
+            if par < trunk - 1:  # every token attends to the whole trunk: a node hanging inside it would too
+                raise ValueError(f"token {j} of a tree pass hangs off entry {par}, inside the committed text; "
+                                 f"a tree hangs off its last entry ({trunk - 1})")
             positions.append(0 if par < 0 else (positions[par - start] if par >= start else self._position(par)) + 1)
             row = j * width - trunk  # hidden[row + c]: column c of token j
             hidden[row + i] = 0

@@ -63,7 +63,8 @@ def score_partings(pairs: list[dict], target: str, threads: int | None = None) -
             lm.reset()
             top = int(logits.argmax())
             if any(cut) and not pieces:
-                pieces = [engine.decode([t]) for t in range(int(logits.shape[0]))]
+                pieces = engine.tokenizer.batch_decode([[t] for t in range(int(logits.shape[0]))],
+                                                       skip_special_tokens=True)
             tokens = []
             for ids, was_cut in ((a, cut[0]), (b, cut[1])):
                 rest = engine.decode(list(ids[j:])) if was_cut else ""

@@ -36,6 +36,8 @@ from .planner import (AUTO_MARGIN, MASS_COVER, MAX_DEPTH, MAX_NODES, MAX_WIDTH, 
 from ..sampling import SamplingParams, probs_from_logits, sample
 
 MAX_LOOKUP_NODES = 24  # lookup guesses offered to the planner per source and step (it keeps those that pay)
+LONG_CATCHUP = 512  # unread tokens from which the draft model's catch-up waits for the generation's first tokens
+CATCHUP_WAIT = 16  # tokens a generation writes without the draft model before that catch-up may be paid
 MAX_COPY_DEPTH = 64  # a followed copy's chain (drafters/copy.py) may go this deep, where the measured passes pay
 RIDE_MARGIN = 1.2  # a step rides the copy alone (no tree, no draft model) when its chain's modelled rate beats
 # plain decoding's by this much; below it the copy's guesses join the tree like other lookup guesses
@@ -88,6 +90,7 @@ class TreeDrafter:
         self.costs, self.state = costs, state or TreeState()
         self._now = costs  # the costs at the current context length (set each step)
         self.lazy, self.remaining = lazy, remaining
+        self.written = 0  # tokens this generation has committed
         self.catchup_s = 0.0  # wall seconds of this step's draft catch-up (reading unseen text)
         self.nodes: list[Node] = []  # everything grown this step
         self.kept: list[Node] = []  # the nodes sent to the target, in Draft order
@@ -199,7 +202,9 @@ class TreeDrafter:
         the seconds it is expected to save over the tokens still to come must exceed what reading the
         unseen text (the prompt, or what was written while it was not run) costs first. Those seconds are
         saved against this generation's own rate without the model so far (plain decoding's before any step):
-        where it rides a copy of the prompt at several tokens a pass, a draft chain saves little or nothing."""
+        where it rides a copy of the prompt at several tokens a pass, a draft chain saves little or nothing. A long
+        catch-up (a long prompt) waits for the generation's first CATCHUP_WAIT tokens: an edit's answer starts
+        with a few tokens of its own and then copies the prompt, which plain decoding's rate cannot foretell."""
         now = self._now
         speedup = chain_speedup(now, self.state.draft_alpha())
         if speedup <= AUTO_MARGIN:
@@ -208,6 +213,8 @@ class TreeDrafter:
         without = max(1 / now.t(1), self.state.generation_rate(False) or 0.0)
         saved = left * max(0.0, 1 / without - now.t(1) / speedup)
         unread = max(0, self.model.unread(len(ids)) - 1)
+        if unread >= LONG_CATCHUP and self.written < CATCHUP_WAIT:
+            return False
         return saved > now.read(unread) if unread else True
 
     def _children(self, parent: int, logits: torch.Tensor, depth: int, params: SamplingParams, generator) -> list[int]:
@@ -354,6 +361,7 @@ class TreeDrafter:
         kept = self.kept
         if self.lookup is not None:
             self.lookup.accepted([kept[i].guess for i in path if kept[i].guess is not None])
+        self.written += len(path) + 1
         if self.remaining is not None:
             self.remaining -= len(path) + 1
         if self.model is not None:

@@ -39,8 +39,8 @@ class Lockstep:
         self.guard_s = guard_s
         self._cv = threading.Condition()
         self._live = 0
-        self._feeding = 0  # generations reading a prompt (feeding)
-        self._mine = threading.local()  # the calling thread's: .live (generations), .feeding
+        self._reading = 0  # generations reading a prompt
+        self._mine = threading.local()  # the calling thread's: .live (generations), .reading (a prompt)
         self._waiting = 0
         self._busy = False
         self._queues: dict[SharedContext, list] = {}
@@ -55,22 +55,22 @@ class Lockstep:
         """Live generations other than the calling thread's that are not reading a prompt now (they wait for
         the caller's passes)."""
         mine = self._mine
-        return self._live - self._feeding - (getattr(mine, "live", 0) > 0 and not getattr(mine, "feeding", False))
+        return self._live - self._reading - (getattr(mine, "live", 0) > 0 and not getattr(mine, "reading", False))
 
     @contextmanager
-    def feeding(self):
+    def reading_prompt(self):
         """Marks the calling thread's live generation as reading a prompt while it runs."""
-        before = getattr(self._mine, "feeding", False)
+        before = getattr(self._mine, "reading", False)
         counted = getattr(self._mine, "live", 0) > 0 and not before
         with self._cv:
-            self._feeding += counted
-        self._mine.feeding = True
+            self._reading += counted
+        self._mine.reading = True
         try:
             yield
         finally:
-            self._mine.feeding = before
+            self._mine.reading = before
             with self._cv:
-                self._feeding -= counted
+                self._reading -= counted
 
     @contextmanager
     def generation(self):
@@ -313,8 +313,8 @@ class LlamaSlot(LlamaLM):
         step = self.prefill_chunk
         return min(left if 2 * left <= 3 * step else step, N_BATCH)
 
-    def feeding(self):
-        return self._shared.lockstep.feeding()
+    def reading_prompt(self):
+        return self._shared.lockstep.reading_prompt()
 
     def describe(self) -> str:
         return self._shared.lm.describe()
