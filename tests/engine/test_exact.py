@@ -251,16 +251,16 @@ def test_a_padded_pass_keeps_only_the_real_tokens():
         lm.forward(prompt, last_only=True)
     P = len(prompt)
     steps = [([5], None, False), ([6, 7], None, False), ([8], None, True),  # chains, last_only
-             ([9, 10, 11], [P + 2, P + 3, P + 3], False)]  # a tree: root 9 with two children
+             ([9, 10, 11], [P + 3, P + 4, P + 4], False)]  # a tree: root 9 (off the last entry) with two children
     for ids, parents, last in steps:
         a, b = plain.forward(ids, last_only=last, parents=parents), pad.forward(ids, last_only=last, parents=parents)
         assert a.shape == b.shape == (1 if last else len(ids), 257)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert _state(plain) == _state(pad)
     for lm in (plain, pad):
-        lm.rollback(P + 4, [P + 5])  # accept the tree's second child
+        lm.rollback(P + 4, [P + 4, P + 5])  # accept the root and its first child
     torch.testing.assert_close(plain.forward([12]), pad.forward([12]), atol=1e-4, rtol=1e-4)
-    assert _state(plain) == _state(pad) and pad.cache.get_seq_length() == P + 6
+    assert _state(plain) == _state(pad) and pad.cache.get_seq_length() == P + 7
 
 
 class OneRowKernel(CachedLM):
