@@ -173,8 +173,8 @@ def test_bench_reuses_what_reads_no_prediction(tiny_dirs, tmp_path, capsys):
     target, draft = tiny_dirs
     prompts = tmp_path / "edits.jsonl"
     rows = [{"task_id": "e1", "prompt": "def add(a, b):", "category": "edit", "prediction": "    return a + b\n"},
-            {"task_id": "e1-none", "prompt": "def add(a, b):", "category": "edit"},
-            {"task_id": "e2", "prompt": "def sub(a, b):", "category": "edit"}]
+            {"task_id": "e2", "prompt": "def sub(a, b):", "category": "edit"},
+            {"task_id": "e1-none", "prompt": "def add(a, b):", "category": "edit"}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     assert main(["bench", "--prompts", str(prompts), "--methods", "pld,hf-assisted", "--max-new-tokens", "8",
@@ -187,11 +187,16 @@ def test_bench_reuses_what_reads_no_prediction(tiny_dirs, tmp_path, capsys):
     assert not by[("e2", m)].get("reused")  # another prompt: run afresh
     assert not any(r.get("reused") for r in results["prompts"] if r["method"] != m)
     assert "Reused runs: 1 (" in (out / "report.md").read_text()
+    # the prompt sent again runs right after its first sending (its reused answer timed minutes before, not a
+    # run's length), the rest in file order
+    assert list(dict.fromkeys(r["prompt_id"] for r in results["prompts"])) == ["e1", "e1-none", "e2"]
     # control: sampled, nothing is reused (a second draw is a new measurement)
     out2 = tmp_path / "out2"
     assert main(["bench", "--prompts", str(prompts), "--methods", "pld", "--max-new-tokens", "8", "--temperature",
                  "0.7", "--target", str(target), "--draft", str(draft), "--out", str(out2)]) == 0
-    assert not any(r.get("reused") for r in json.loads((out2 / "results.json").read_text())["prompts"])
+    sampled = json.loads((out2 / "results.json").read_text())["prompts"]
+    assert not any(r.get("reused") for r in sampled)
+    assert list(dict.fromkeys(r["prompt_id"] for r in sampled)) == ["e1", "e2", "e1-none"]  # none reused: file order
 
 
 def test_bench_tree_method(tiny_dirs, prompt_file, tmp_path, capsys):

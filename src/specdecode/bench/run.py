@@ -70,6 +70,8 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
     engine.history = None
     rows = []
     reuse = PeerAnswers(greedy and history is None)
+    if reuse.on:
+        prompts = side_by_side(prompts)
     runs = sum(len(p.get("turns") or [0]) for p in prompts) * len(methods)
     bar = tqdm(total=runs, desc="bench", unit="run", disable=not progress)
     try:
@@ -128,6 +130,16 @@ def _turns(p: dict, m: str, bar, run_one) -> list[dict]:
             messages = messages + [{"role": "assistant", "content": r["text"]}]
         bar.update(1)
     return rows
+
+
+def side_by_side(prompts: list[dict]) -> list[dict]:
+    """The prompts in file order, except that those a peer answers alike (the same text, sent with and without a
+    prediction) run one after another: a reused answer is then minutes old, not timed half a run earlier on a
+    machine whose speed drifts."""
+    groups: dict[str, list[dict]] = {}
+    for p in prompts:
+        groups.setdefault(repr((p.get("turns") or p["prompt"], bool(p.get("chat")))), []).append(p)
+    return [p for group in groups.values() for p in group]
 
 
 class PeerAnswers:
