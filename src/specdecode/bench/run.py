@@ -70,8 +70,7 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
     engine.history = None
     rows = []
     reuse = PeerAnswers(greedy and history is None)
-    if reuse.on:
-        prompts = side_by_side(prompts)
+    prompts = reuse.order(prompts)
     runs = sum(len(p.get("turns") or [0]) for p in prompts) * len(methods)
     bar = tqdm(total=runs, desc="bench", unit="run", disable=not progress)
     try:
@@ -132,16 +131,6 @@ def _turns(p: dict, m: str, bar, run_one) -> list[dict]:
     return rows
 
 
-def side_by_side(prompts: list[dict]) -> list[dict]:
-    """The prompts in file order, except that those a peer answers alike (the same text, sent with and without a
-    prediction) run one after another: a reused answer is then minutes old, not timed half a run earlier on a
-    machine whose speed drifts."""
-    groups: dict[str, list[dict]] = {}
-    for p in prompts:
-        groups.setdefault(repr((p.get("turns") or p["prompt"], bool(p.get("chat")))), []).append(p)
-    return [p for group in groups.values() for p in group]
-
-
 class PeerAnswers:
     """A greedy peer reads no prediction, so it answers a prompt it has answered before (the same edit sent with
     and without its prediction) as it did then: that row is reused, marked so. Not our plain decoding: with
@@ -149,6 +138,17 @@ class PeerAnswers:
 
     def __init__(self, on: bool):
         self.on, self.answered = on, {}
+
+    def order(self, prompts: list[dict]) -> list[dict]:
+        """The prompts in file order, except that, when answers are reused, those a peer answers alike (the same
+        text, sent with and without a prediction) run one after another: a reused answer is then minutes old, not
+        timed half a run earlier on a machine whose speed drifts."""
+        if not self.on:
+            return prompts
+        groups: dict[str, list[dict]] = {}
+        for p in prompts:
+            groups.setdefault(repr((p.get("turns") or p["prompt"], bool(p.get("chat")))), []).append(p)
+        return [p for group in groups.values() for p in group]
 
     def __call__(self, run: dict, method: str, fresh) -> dict:
         if not self.on or method not in PEERS:
