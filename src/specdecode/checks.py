@@ -1,7 +1,7 @@
 """A generation request's arguments, checked without models (Engine.check: front ends call it before
 loading them), a tree's size checked against what the models hold (tree_nodes_cap), before any model work, and
-the positive-integer check every layer uses (positive_int). Its module-level imports stay torch-free: the load
-test uses positive_int too."""
+the positive-integer check every layer uses (positive_int). Torch-free, and so is what check_request imports: the
+command line checks a request before torch loads, and the load test uses positive_int."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 from .errors import SpecDecodeError
 
 if TYPE_CHECKING:
-    from .sampling import SamplingParams
+    from .params import SamplingParams
 
+STOP_CHARS_MAX = 4096  # characters of stop strings one generation may ask for, all together
 FIXED_TREE_NODES = 256  # nodes per pass of a tree whose size the cost model does not choose, at most
 
 
@@ -26,8 +27,7 @@ def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int =
                   tree_nodes=None) -> SamplingParams:
     """SpecDecodeError with a message for the first bad argument; the sampling settings otherwise."""
     from .methods import METHOD_TABLE, get_method
-    from .sampling import SamplingParams
-    from .textstream import STOP_CHARS_MAX
+    from .params import SamplingParams
     params = SamplingParams(temperature, top_k, top_p)
     m = get_method(method)  # SpecDecodeError naming the choices
     for name, value in (("gamma", gamma), ("max_new_tokens", max_new_tokens)):

@@ -104,9 +104,9 @@ def tree_kwargs(args) -> dict:
 
 
 def generate(args) -> None:
-    """The Engine checks the arguments (SpecDecodeError: exit 2 with its message). The sampling settings are
-    checked by the Engine's own SamplingParams before the model load, which can take a minute."""
-    from .engine import Engine
+    """The Engine's checks judge the arguments (SpecDecodeError: exit 2 with its message), before torch and the
+    models load (seconds to a minute)."""
+    from .checks import check_request
     from .methods import wants_draft_model
     if args.prompt == "-" and args.prediction == "-":
         raise SpecDecodeError("the prompt and --prediction cannot both be read from stdin")
@@ -117,7 +117,7 @@ def generate(args) -> None:
             prediction = sys.stdin.read() if args.prediction == "-" else Path(args.prediction).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise SpecDecodeError(f"--prediction: cannot read {args.prediction}: {e}") from None
-    Engine.check(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+    check_request(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **tree_kwargs(args))
     from .routing import loader
     engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import SpecDecodeError
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 REQUIRED, OPTIONAL, NO = "required", "optional", "no"  # Method.needs_draft_model
 BASELINE = "autoregressive"  # plain decoding: what every speedup is measured against

@@ -8,31 +8,10 @@ verifier treats like any other p (accept iff the draft token is the argmax).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from .errors import SpecDecodeError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-
-    def __post_init__(self):
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-            raise SpecDecodeError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise SpecDecodeError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
-            raise SpecDecodeError(f"top_p must be in (0, 1], got {p!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from .params import SamplingParams  # noqa: F401  (the settings, torch-free: the CLI checks them before torch loads)
 
 
 def argmax(logits: torch.Tensor):

@@ -10,7 +10,6 @@ from .prefill import Interrupt
 from .stats import Generation, Stats
 
 TAIL_TOKENS = 3  # a character still missing bytes has at most 3: made by at most the last 3 tokens
-STOP_CHARS_MAX = 4096  # characters of stop strings one generation may ask for, all together
 
 
 class TextStream:

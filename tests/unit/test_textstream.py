@@ -213,7 +213,7 @@ def test_stop_string_check_is_linear_in_the_text():
     """Each step looks only at the text it adds (a streaming matcher), never at a tail as long as the stop
     strings: a stop string of the largest allowed length costs about what no stop string costs. The check
     that scanned the last len(stop) characters at each step took seconds here."""
-    from specdecode.textstream import STOP_CHARS_MAX
+    from specdecode.checks import STOP_CHARS_MAX
     ids = [ord("a")] * 8000
     plain, _, _ = _time_stream(ids, [])
     long, stream, deltas = _time_stream(ids, ["b" * STOP_CHARS_MAX])
@@ -222,7 +222,7 @@ def test_stop_string_check_is_linear_in_the_text():
 
 
 def test_stop_strings_are_bounded(tiny_engine):
-    from specdecode.textstream import STOP_CHARS_MAX
+    from specdecode.checks import STOP_CHARS_MAX
     with pytest.raises(SpecDecodeError, match=f"stop strings .* at most {STOP_CHARS_MAX}"):
         tiny_engine.stream("abc", stop=["x" * (STOP_CHARS_MAX // 2), "y" * (STOP_CHARS_MAX // 2 + 1)])
     with pytest.raises(SpecDecodeError, match="stop strings"):

@@ -6,15 +6,34 @@ launch/servers.py starts it; llama_peer_child.py: llama-cpp-python's process); s
 speedups and bounds; report.py: results.json, report.md, speedup.png and acceptance.png. The prompt files and the
 machine's lines are launch/'s, shared with `specdecode loadtest`. A new method needs nothing here (the method
 table's flags say how it is summed up); a new peer is a name in peers.PEERS and its runner in run._run_one.
+
+Its names load on first use (PEP 562): `specdecode bench`'s parser, built for every command, loads no torch.
 """
-from ..launch.describe import cpu_description
-from ..launch.prompts import load_prompts
-from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
-from .report import plot_acceptance, plot_speedup, report, write_outputs
-from .run import check_methods, default_methods, needs_draft_model, parse_methods, run_bench
-from .summary import alpha_from_counts, analytic_bound, cost_model_bound, decode_rate, summarize
+import importlib
+
+# each public name and the module (in this package, or launch/) that defines it
+_EXPORTS = {
+    "cpu_description": "..launch.describe", "load_prompts": "..launch.prompts",
+    **dict.fromkeys(("BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "_is", "hf_assisted"), ".peers"),
+    **dict.fromkeys(("plot_acceptance", "plot_speedup", "report", "write_outputs"), ".report"),
+    **dict.fromkeys(("check_methods", "default_methods", "needs_draft_model", "parse_methods", "run_bench"), ".run"),
+    **dict.fromkeys(("alpha_from_counts", "analytic_bound", "cost_model_bound", "decode_rate", "summarize"), ".summary"),
+}
 
 __all__ = ["BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "hf_assisted", "plot_acceptance", "plot_speedup",
            "report", "write_outputs", "check_methods", "cpu_description", "default_methods", "load_prompts",
            "needs_draft_model", "parse_methods", "run_bench", "alpha_from_counts", "analytic_bound",
            "cost_model_bound", "decode_rate", "summarize"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

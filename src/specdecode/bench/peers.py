@@ -8,18 +8,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..engine import METHODS, Engine
 from ..errors import SpecDecodeError
-from ..methods import METHOD_TABLE
+from ..methods import METHOD_TABLE, method_names
 from .server_peer import SERVER_PEERS
+
+if TYPE_CHECKING:  # (torch and the engine load where a peer runs: `specdecode bench`'s parser needs the names only)
+    from ..engine import Engine
 
 # other tools' decoders, measured in the same run
 PEERS = ("hf-assisted", "llama.cpp", "llama.cpp-pld", *SERVER_PEERS)
 DRAFT_PEERS = ("hf-assisted", "llama-server-draft")  # the peers that run our draft model
-BENCH_METHODS = (*METHODS, *PEERS)
+BENCH_METHODS = (*method_names(), *PEERS)
 
 
 def _is(m: str, need: str) -> bool:
@@ -87,6 +88,7 @@ class LlamaPeer:
 def hf_assisted(engine: Engine, prompt_ids: list[int], gamma: int, max_new_tokens: int,
                 temperature: float, seed: int | None) -> dict:
     """The peer: transformers' assisted generation with the same models (its default schedule)."""
+    import torch
     target, draft = engine.target.hf_model, engine.draft_model.lm.hf_model
     x = torch.tensor([prompt_ids], device=engine.target.device)
     # neutral settings, so that a checkpoint's own generation config (repetition penalty, top-p...) does
