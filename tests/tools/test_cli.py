@@ -16,6 +16,21 @@ def cli(*args, input=None):
     return run([sys.executable, "-m", "specdecode", *args], input=input)
 
 
+def main_here(capsys, *args, monkeypatch=None, input=None):
+    """(exit status, stdout, stderr) of the command run by main() in this process: what the console script runs,
+    without a child process's seconds of imports (a child's exit status: the tests marked `process`)."""
+    if input is not None:
+        import io
+        monkeypatch.setattr(sys, "stdin", io.StringIO(input))
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's errors leave through _Parser.error
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_json_output_matches_python_api(tiny_dirs, capsys):
     target, draft = tiny_dirs
     code = main(["generate", "hello", "--target", str(target), "--draft", str(draft), "--method", "draft",
@@ -34,7 +49,6 @@ def test_json_output_matches_python_api(tiny_dirs, capsys):
     assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
 
 
-@pytest.mark.process
 def test_tree_method_json_and_stats_line(tiny_dirs, capsys):
     target, draft = tiny_dirs
     code = main(["generate", "hello", "--target", str(target), "--draft", str(draft), "--method", "tree",
@@ -47,28 +61,28 @@ def test_tree_method_json_and_stats_line(tiny_dirs, capsys):
     from specdecode import Engine
     ref = Engine.load(str(target), progress=False).generate("hello", method="autoregressive", max_new_tokens=24)
     assert out["token_ids"] == ref.token_ids  # greedy tree output is plain decoding's
-    r = cli("generate", "abc", "--target", str(target), "--draft", str(draft), "--method", "tree",
-            "--max-new-tokens", "12")
-    assert r.returncode == 0, r.stderr
-    assert "[tree nodes/pass" in r.stderr and "expected tokens/pass" in r.stderr
+    code, _, err = main_here(capsys, "generate", "abc", "--target", str(target), "--draft", str(draft), "--method",
+                             "tree", "--max-new-tokens", "12")
+    assert code == 0, err
+    assert "[tree nodes/pass" in err and "expected tokens/pass" in err
 
 
-@pytest.mark.process
-def test_streamed_text_then_stats_line(tiny_dirs):
+def test_streamed_text_then_stats_line(tiny_dirs, capsys):
     target, _ = tiny_dirs
-    r = cli("generate", "abc", "--target", str(target), "--method", "pld", "--max-new-tokens", "16",
-            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "1", "--dtype", "fp32")
-    assert r.returncode == 0, r.stderr
-    assert "[pld gamma=4] 16 tokens" in r.stderr and "finish: length" in r.stderr
+    code, out, err = main_here(capsys, "generate", "abc", "--target", str(target), "--method", "pld",
+                               "--max-new-tokens", "16", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
+                               "--seed", "1", "--dtype", "fp32")
+    assert code == 0, err
+    assert "[pld gamma=4] 16 tokens" in err and "finish: length" in err and out
 
 
-@pytest.mark.process
-def test_stdin_prompt_and_chat(tiny_dirs):
+def test_stdin_prompt_and_chat(tiny_dirs, capsys, monkeypatch):
     target, _ = tiny_dirs
-    r = cli("generate", "-", "--chat", "--target", str(target), "--method", "autoregressive",
-            "--max-new-tokens", "4", "--json", input="hi there")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["stats"]["prompt_tokens"] == len("<user>hi there\n<assistant>")
+    code, out, err = main_here(capsys, "generate", "-", "--chat", "--target", str(target), "--method",
+                               "autoregressive", "--max-new-tokens", "4", "--json", monkeypatch=monkeypatch,
+                               input="hi there")
+    assert code == 0, err
+    assert json.loads(out)["stats"]["prompt_tokens"] == len("<user>hi there\n<assistant>")
 
 
 # The Engine is the one validation layer: the CLI prints its message (one line, exit 2). `engine` says how
@@ -91,14 +105,9 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("args, engine", BAD_INPUT, ids=[" ".join(a[2:]) or "empty" for a, _ in BAD_INPUT])
 def test_bad_input_exit_2_with_the_engines_message(tiny_dirs, args, engine, capsys):
-    """In this process: main() is what the console script runs (a child process's exit status: the tests below)."""
     target, _ = tiny_dirs
-    try:
-        code = main([*args, "--target", str(target)])
-    except SystemExit as e:  # argparse's errors leave through _Parser.error
-        code = e.code
+    code, _, err = main_here(capsys, *args, "--target", str(target))
     assert code == 2
-    err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     if isinstance(engine, str):
@@ -133,13 +142,12 @@ assert main(["bench", "--prompts", "p.jsonl"]) == 2
     assert "pip install \"specdecode[bench]\"" in errors[1] and "matplotlib" in errors[1]
 
 
-@pytest.mark.process
-def test_missing_model_exit_2(tmp_path):
-    r = cli("generate", "x", "--method", "pld", "--target", str(tmp_path / "nope"))
-    assert r.returncode == 2 and "not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+def test_missing_model_exit_2(tmp_path, capsys):
+    code, _, err = main_here(capsys, "generate", "x", "--method", "pld", "--target", str(tmp_path / "nope"))
+    assert code == 2 and "not found" in err and len(err.strip().splitlines()) == 1
     (tmp_path / "empty").mkdir()
-    r = cli("generate", "x", "--method", "pld", "--target", str(tmp_path / "empty"))
-    assert r.returncode == 2 and "config.json" in r.stderr
+    code, _, err = main_here(capsys, "generate", "x", "--method", "pld", "--target", str(tmp_path / "empty"))
+    assert code == 2 and "config.json" in err
 
 
 @pytest.mark.process
