@@ -355,28 +355,6 @@ def write(report: dict, out_dir: str | Path) -> Path:
     return out
 
 
-def add_certify_parser(sub) -> None:
-    """`specdecode certify`"""
-    from .commands import backend_args
-    from .methods import in_default_run
-    c = sub.add_parser("certify", help="certify on your own model pair and machine that speculation here is lossless "
-                                        "(KV rollback, the verifier on real p/q rows, greedy agreement)")
-    c.add_argument("--target", default=None, help="as for generate (default: the default pair)")
-    c.add_argument("--draft", default=None, help="as for generate")
-    checked = ",".join(in_default_run("certify_default"))
-    c.add_argument("--methods", default=checked, help="comma-separated methods to check against plain decoding "
-                                                      f"(default: {checked}; any but {BASELINE})")
-    c.add_argument("--draws", type=int, default=10 ** 6, help="verifier draws per prompt and setting (default 10^6)")
-    c.add_argument("--max-new-tokens", type=int, default=48, help="tokens per greedy comparison (default 48)")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
-    c.add_argument("--device", default=None)
-    backend_args(c)
-    c.add_argument("--json", action="store_true", help="print the certificate as JSON")
-    c.add_argument("--out", default=None, help="directory for certificate.json and certificate.md")
-    c.set_defaults(run=certify_command)
-
-
 def certify_command(args) -> int:
     """`specdecode certify`: 0 when the certificate passed, 1 when a check failed."""
     import sys

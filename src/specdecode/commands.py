@@ -1,6 +1,7 @@
-"""`specdecode generate`, and what the commands that load models share: the backend, lookup and tree arguments,
-and the check that a command's optional packages are installed. Each other command's parser lives with its
-package (bench/cli.py, server/cli.py, loadtest/cli.py, certify.py, drafters/datastore.py); cli.py dispatches."""
+"""`specdecode generate`, `certify`'s arguments, and what the commands that load models share: the backend, lookup
+and tree arguments, and the check that a command's optional packages are installed. The commands of a package
+have their parser there (bench/cli.py, server/cli.py, loadtest/cli.py, drafters/datastore.py); cli.py dispatches.
+No torch here: every command's parser is built before anything loads it."""
 from __future__ import annotations
 
 import importlib.util
@@ -54,9 +55,35 @@ def add_generate_parser(sub) -> None:
     g.set_defaults(run=generate)
 
 
+def add_certify_parser(sub) -> None:
+    """`specdecode certify`"""
+    from .methods import BASELINE, in_default_run
+    c = sub.add_parser("certify", help="certify on your own model pair and machine that speculation here is lossless "
+                                        "(KV rollback, the verifier on real p/q rows, greedy agreement)")
+    c.add_argument("--target", default=None, help="as for generate (default: the default pair)")
+    c.add_argument("--draft", default=None, help="as for generate")
+    checked = ",".join(in_default_run("certify_default"))
+    c.add_argument("--methods", default=checked, help="comma-separated methods to check against plain decoding "
+                                                      f"(default: {checked}; any but {BASELINE})")
+    c.add_argument("--draws", type=int, default=10 ** 6, help="verifier draws per prompt and setting (default 10^6)")
+    c.add_argument("--max-new-tokens", type=int, default=48, help="tokens per greedy comparison (default 48)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
+    c.add_argument("--device", default=None)
+    backend_args(c)
+    c.add_argument("--json", action="store_true", help="print the certificate as JSON")
+    c.add_argument("--out", default=None, help="directory for certificate.json and certificate.md")
+    c.set_defaults(run=_certify)
+
+
+def _certify(args) -> int:
+    from .certify import certify_command  # (torch: loaded when the command runs)
+    return certify_command(args)
+
+
 def backend_args(parser) -> None:
     from .drafters import DRAFT_WINDOW
-    from .backends import BACKENDS
+    from .backends import BACKENDS, DRAFT_QUANT_CHOICES
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto (default): GGUF models on the CPU run on llama.cpp, the rest on torch")
     parser.add_argument("--route", action="store_true",
@@ -64,7 +91,7 @@ def backend_args(parser) -> None:
                              "measure flat and memory allows), each request run whole on the one its measured costs "
                              "predict faster (an edit with a prediction: often torch; a chat: llama.cpp)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
-    parser.add_argument("--draft-quant", choices=["auto", "none", "Q4_0", "Q8_0"], default="auto",
+    parser.add_argument("--draft-quant", choices=DRAFT_QUANT_CHOICES, default="auto",
                         help="llama.cpp: run the draft in its fastest type here (auto, measured once), keep the "
                              "file's (none) or force one; the draft never changes the output")
     parser.add_argument("--draft-vocab", type=int, default=None, metavar="K",

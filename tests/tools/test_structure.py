@@ -164,16 +164,21 @@ def test_no_import_cycles():
 @pytest.mark.process
 def test_the_load_test_and_the_command_line_load_no_torch():
     """`specdecode loadtest` runs beside the servers it measures: its modules and launch/'s load no torch; nor do the
-    package and the CLI module (the command restarts for huge pages before anything loads torch), nor a request's
-    checks (the command line runs them before a model loads) and bench's names. The engine, the negative control,
+    package, the CLI module and every command's parser (the command restarts for huge pages before anything loads
+    torch, and `--help` or a usage error takes no import of it), nor a request's checks (the command line runs them
+    before a model loads) and the packages whose names load on first use. The engine, the negative control,
     does."""
     light = ["specdecode", "specdecode.cli", "specdecode.checks", "specdecode.params", "specdecode.methods",
-             "specdecode.bench", "specdecode.bench.cli"] + \
+             "specdecode.bench", "specdecode.bench.cli", "specdecode.backends", "specdecode.drafters",
+             "specdecode.commands"] + \
         [f"specdecode.{p.parent.name}.{p.stem}".removesuffix(".__init__")
          for d in ("loadtest", "launch") for p in sorted((SRC / d).glob("*.py"))]
     assert "specdecode.loadtest.cli" in light
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n" \
            "    assert 'torch' not in sys.modules, m + ' loads torch'\n" \
+           "if 'specdecode.cli' in sys.modules:\n" \
+           "    sys.modules['specdecode.cli'].build_parser()  # every command's parser\n" \
+           "    assert 'torch' not in sys.modules, 'a parser loads torch'\n" \
            "if 'specdecode.checks' in sys.modules:\n" \
            "    sys.modules['specdecode.checks'].check_request(method='tree', temperature=0.7, top_p=0.9, stop=['x'], " \
            "tree_width=2)\n    assert 'torch' not in sys.modules, 'check_request loads torch'\n"

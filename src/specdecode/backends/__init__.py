@@ -1,12 +1,19 @@
 """Backends: a causal LM with its KV cache behind one interface (base.LM), on torch (torch_lm.CachedLM)
 or llama.cpp (the llamacpp subpackage: llamacpp.LlamaLM), and the loading of model files (loading.py). Outside
 this package code asks an LM what it can do (its members), never which backend it is. A new backend: a module
-(or a subpackage) here with a class that subclasses LM, and its case in loading.resolve_backend / load_lm."""
-from .base import LM
-from .loading import (BACKENDS, BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFT_QUANT_CHOICES, ChunkedGGUF, as_lm,
-                      assemble, cache_dir, check_draft_vocab, converted, gguf_tokenizer, load_draft_lm, load_lm,
-                      load_model, load_tokenizer, resolve_backend, torch_threads_for)
-from .torch_lm import CachedLM
+(or a subpackage) here with a class that subclasses LM, and its case in loading.resolve_backend / load_lm.
+
+The names load on first use (PEP 562): the command line's parsers read the choices (choices.py) without torch."""
+from __future__ import annotations
+
+import importlib
+
+from .choices import BACKENDS, DRAFT_QUANT_CHOICES
+
+_EXPORTS = {"LM": ".base", "CachedLM": ".torch_lm",
+            **dict.fromkeys(("BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET", "ChunkedGGUF", "as_lm", "assemble",
+                             "cache_dir", "check_draft_vocab", "converted", "gguf_tokenizer", "load_draft_lm", "load_lm",
+                             "load_model", "load_tokenizer", "resolve_backend", "torch_threads_for"), ".loading")}
 
 __all__ = ["LM", "CachedLM", "LlamaLM", "as_lm", "BACKENDS", "BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET",
            "DRAFT_QUANT_CHOICES", "ChunkedGGUF", "assemble", "cache_dir", "check_draft_vocab", "converted",
@@ -29,8 +36,18 @@ def slots(lm: LM, n: int, cells: int, lockstep, cost=None) -> list[LM]:
 
 
 def __getattr__(name):
-    """The llama.cpp names (_LLAMACPP) on first use: importing llama.cpp's bindings is left to whoever runs it."""
+    """A name on first use; the llama.cpp ones (_LLAMACPP) too: importing llama.cpp's bindings is left to whoever
+    runs it."""
     if name in _LLAMACPP:
         from . import llamacpp
         return getattr(llamacpp, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..errors import SpecDecodeError
 from ..host import cache_dir  # noqa: F401  (re-exported: specdecode.backends.cache_dir)
+from .choices import BACKENDS, DRAFT_QUANT_CHOICES  # noqa: F401  (re-exported)
 from .torch_lm import CachedLM
 
 # torch's intra-op threads before a llama.cpp model lowered them to 1 (load_lm), if it did: torch
@@ -77,7 +78,6 @@ BUILTIN = {
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-BACKENDS = ("auto", "torch", "llama.cpp")
 INSTALL_HINT = 'pip install -e ".[models]"  (or: pip install {reqs})'
 
 
@@ -122,7 +122,6 @@ def resolve_backend(backend: str | None, spec: str, device: str | None = None) -
     return backend
 
 
-DRAFT_QUANT_CHOICES = ("auto", "none", "Q4_0", "Q8_0")
 
 
 def as_lm(model):

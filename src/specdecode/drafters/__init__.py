@@ -7,15 +7,43 @@ drafter (`Lookup`, trees of guesses) over its sources: the n-gram tables of sour
 engine's `History`) and the `Datastore` of datastore.py. The tree drafter that combines the draft model and
 the lookup guesses on the measured costs is tree.TreeDrafter. A new drafter: a module here with a class
 that implements `Drafter`, and its entry in the method table (methods.py).
-"""
-from .base import Draft, Drafter, fit_vocab
-from .copy import Alignment, CopyGuess, followed
-from .datastore import Datastore, build_datastore, index_files, tokenizer_fingerprint
-from .lookup import SOURCES, Guess, Lookup
-from .model import CATCHUP_APART, DRAFT_WINDOW, DraftModel, check_compatible
-from .pld import PromptLookup
-from .sources import History, NgramIndex
 
-__all__ = ["Alignment", "CopyGuess", "followed", "Draft", "Drafter", "fit_vocab", "DraftModel", "DRAFT_WINDOW", "CATCHUP_APART", "check_compatible", "PromptLookup",
-           "Lookup", "Guess", "SOURCES", "History", "NgramIndex", "Datastore", "build_datastore", "index_files",
-           "tokenizer_fingerprint"]
+The names load on first use (PEP 562): the command line's parsers read DRAFT_WINDOW without torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+# tokens of context the draft model sees (see DraftModel.window; --draft-window). Measured on long prompts
+# (scripts/draft_window_sweep.py; README): summaries, document questions, code edits and translations follow
+# the document from its start, which a trailing window cuts off: acceptance 0.62 with the whole text (1.3-2.3k
+# tokens), 0.19-0.22 with windows of 256-1,024 (0.20 with the first 64 tokens kept too), and the whole text
+# was faster despite its longer reading. So the window only bounds what a very long text costs the draft.
+DRAFT_WINDOW = 4096
+
+_EXPORTS = {
+    **dict.fromkeys(("Draft", "Drafter", "fit_vocab"), ".base"),
+    **dict.fromkeys(("Alignment", "CopyGuess", "followed"), ".copy"),
+    **dict.fromkeys(("Datastore", "build_datastore", "index_files", "tokenizer_fingerprint"), ".datastore"),
+    **dict.fromkeys(("SOURCES", "Guess", "Lookup"), ".lookup"),
+    **dict.fromkeys(("CATCHUP_APART", "DraftModel", "check_compatible"), ".model"),
+    "PromptLookup": ".pld",
+    **dict.fromkeys(("History", "NgramIndex"), ".sources"),
+}
+
+__all__ = ["Alignment", "CopyGuess", "followed", "Draft", "Drafter", "fit_vocab", "DraftModel", "DRAFT_WINDOW",
+           "CATCHUP_APART", "check_compatible", "PromptLookup", "Lookup", "Guess", "SOURCES", "History", "NgramIndex",
+           "Datastore", "build_datastore", "index_files", "tokenizer_fingerprint"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

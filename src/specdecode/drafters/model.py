@@ -9,16 +9,11 @@ import torch
 from ..backends import as_lm
 from ..errors import SpecDecodeError
 from ..sampling import SamplingParams, argmax, probs_from_logits, sample
+from . import DRAFT_WINDOW  # (defined with the package: the command line's default, read without torch)
 from .base import Draft, fit_vocab
 
 
 CATCHUP_APART = 16  # a root pass feeding more tokens than this reads them first in a pass of their own (timed)
-# tokens of context the draft model sees (see DraftModel.window; --draft-window). Measured on long prompts
-# (scripts/draft_window_sweep.py; README): summaries, document questions, code edits and translations follow
-# the document from its start, which a trailing window cuts off: acceptance 0.62 with the whole text (1.3-2.3k
-# tokens), 0.19-0.22 with windows of 256-1,024 (0.20 with the first 64 tokens kept too), and the whole text
-# was faster despite its longer reading. So the window only bounds what a very long text costs the draft.
-DRAFT_WINDOW = 4096
 
 
 class DraftModel:
