@@ -150,8 +150,7 @@ def test_missing_model_exit_2(tmp_path, capsys):
     assert code == 2 and "config.json" in err
 
 
-@pytest.mark.process
-def test_incompatible_draft_exit_2(tiny_dirs, tmp_path):
+def test_incompatible_draft_exit_2(tiny_dirs, tmp_path, capsys):
     from tiny import tiny_model
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
@@ -160,13 +159,17 @@ def test_incompatible_draft_exit_2(tiny_dirs, tmp_path):
     tiny_model(3, vocab_size=3).save_pretrained(other)
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, "[UNK]")),
                             unk_token="[UNK]").save_pretrained(other)
-    r = cli("generate", "x", "--target", str(target), "--draft", str(other))
-    assert r.returncode == 2 and "tokenizers differ" in r.stderr
+    code, _, err = main_here(capsys, "generate", "x", "--target", str(target), "--draft", str(other))
+    assert code == 2 and "tokenizers differ" in err
 
 
 @pytest.mark.process
 def test_python_m_and_console_script_help():
+    """The command in a child process: help, and a usage error's exit status 2 with one line (no parser loads torch:
+    a third of a second each)."""
     assert cli("--help").returncode == 0
+    r = cli("generate", "x", "--gamma", "two")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "invalid int" in r.stderr, r.stderr
     # the console script installed beside this interpreter, whether or not its bin/ is on PATH
     script = Path(sys.executable).parent / "specdecode"
     r = run([str(script), "generate", "--help"], timeout=120)
