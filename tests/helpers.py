@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import random
+from functools import partial
+from types import SimpleNamespace
 from typing import Callable
+
+import httpx
 
 import numpy as np
 import pytest
@@ -15,8 +19,12 @@ from specdecode.sampling import sample
 from specdecode.verify import verify as real_verify
 from specdecode.planning.costs import CostModel
 from specdecode.backends import BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.launch.http import tls
 
 GREEDY = SamplingParams()
+# httpx's module-level requests on one TLS context: httpx makes one for each (~35 ms of CPU loading the CA file;
+# the server tests send hundreds)
+http = SimpleNamespace(**{name: partial(getattr(httpx, name), verify=tls()) for name in ("get", "post", "stream")})
 TreeVerifier = Callable[..., tuple]
 
 

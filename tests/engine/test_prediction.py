@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
-from helpers import LiveServer, run
+from helpers import LiveServer, http, run
 from tiny import char_tokenizer, tiny_model
 
 from specdecode import Engine, SpecDecodeError
@@ -322,8 +321,8 @@ def test_openai_client_sends_a_prediction_and_reads_the_usage(client):
 
 def test_completions_take_a_prediction_too(live):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40}
-    plain = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
-    out = httpx.post(f"{live.url}/v1/completions", timeout=60,
+    plain = http.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
+    out = http.post(f"{live.url}/v1/completions", timeout=60,
                      json={**body, "prediction": {"type": "content", "content": plain["choices"][0]["text"]}}).json()
     assert out["choices"][0]["text"] == plain["choices"][0]["text"]
     assert out["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
@@ -334,7 +333,7 @@ def test_completions_take_a_prediction_too(live):
     {"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}, "just a string",
     {"type": "content", "content": "x", "extra": 1}])
 def test_a_bad_prediction_is_a_400(live, prediction):
-    r = httpx.post(f"{live.url}/v1/chat/completions", timeout=60,
+    r = http.post(f"{live.url}/v1/chat/completions", timeout=60,
                    json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "prediction": prediction})
     assert r.status_code == 400, r.text
     assert "prediction" in json.dumps(r.json()["error"])

@@ -93,15 +93,14 @@ def test_a_generation_that_fails_leaves_nothing_to_reuse(engines, monkeypatch, e
 def test_the_server_reuses_a_prompt_for_the_same_api_key_only(make_engine):
     """`serve` (prompt cache on): the cached part shows in the response's speculation stats; a request with another
     key reads its prompt whole, so that its latency tells nothing of another client's text."""
-    import httpx
-    from helpers import LiveServer
+    from helpers import LiveServer, http
     from specdecode.server import create_app
     tok = byte_tokenizer()
     engine = make_engine(draft=None, tokenizer=tok, prompt_cache=True)
     srv = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1))
     try:
         def cached(key: str) -> int:
-            r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+            r = http.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
                            json={"model": "tiny", "prompt": FIRST, "max_tokens": 4}, timeout=60)
             assert r.status_code == 200
             return r.json()["speculation"]["cached_prompt_tokens"]
@@ -118,8 +117,7 @@ def slot_server(tmp_path, n: int, adjust=None):
     """`serve --parallel n` (prompt cache on) on a tiny GGUF, live; yields ask(prompt, max_tokens) -> the response.
     adjust(slots) runs before the app is made."""
     pytest.importorskip("llama_cpp")
-    import httpx
-    from helpers import LiveServer
+    from helpers import LiveServer, http
     from specdecode.backends.llamacpp import LlamaLM
     from specdecode.server import create_app
     from specdecode.slots import Slots
@@ -133,7 +131,7 @@ def slot_server(tmp_path, n: int, adjust=None):
     live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=slots))
 
     def ask(prompt: str, max_tokens: int = 4) -> dict:
-        r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens},
+        r = http.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens},
                        timeout=60)
         assert r.status_code == 200
         return r.json()

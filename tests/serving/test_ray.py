@@ -12,12 +12,11 @@ import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import run_child as run  # the child-process runner (helpers.run drives the loop)
+from helpers import http, run_child as run  # the child-process runner (helpers.run drives the loop)
 from specdecode.cli import main
 from specdecode.server import ray_serve
 
@@ -240,7 +239,7 @@ def test_requests_spread_over_both_replicas_with_their_metrics(cluster):
     assert len(replicas) == 2, replicas
     seen = {}
     for _ in range(20):  # a scrape goes to one replica: each labels its own samples
-        r = httpx.get(f"{cluster}/metrics", timeout=10)
+        r = http.get(f"{cluster}/metrics", timeout=10)
         rid = r.headers[ray_serve.REPLICA_HEADER]
         labels = {s.labels.get("replica") for f in text_string_to_metric_families(r.text) for s in f.samples}
         assert labels == {rid}
@@ -248,7 +247,7 @@ def test_requests_spread_over_both_replicas_with_their_metrics(cluster):
         if len(seen) == 2:
             break
     assert set(seen) == replicas
-    assert httpx.get(f"{cluster}/health", timeout=10).json()["model"] == MODEL
+    assert http.get(f"{cluster}/health", timeout=10).json()["model"] == MODEL
 
 
 @pytest.mark.cluster

@@ -16,7 +16,7 @@ import pytest
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import LiveServer
+from helpers import LiveServer, http
 from tiny import build_engine, byte_tokenizer
 
 from specdecode import METHODS, Engine, SpecDecodeError
@@ -50,7 +50,7 @@ def reference(live, engine, prompt, **kw):
 
 
 def metrics(url) -> dict:
-    text = httpx.get(f"{url}/metrics").text
+    text = http.get(f"{url}/metrics").text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -68,7 +68,7 @@ def test_models_and_health(live, client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    h = httpx.get(f"{live.url}/health").json()
+    h = http.get(f"{live.url}/health").json()
     assert h["status"] == "ok" and h["model"] == MODEL
 
 
@@ -119,7 +119,7 @@ def test_raw_stream_format_and_stop_strings(live, tiny_engine):
     ref_stop = reference(live, tiny_engine, "abcabc", method="pld", gamma=3, max_new_tokens=40, stop=[stop])
     body = {"model": MODEL, "prompt": "abcabc", "max_tokens": 40, "stop": stop, "stream": True,
             "speculation": {"method": "pld"}}
-    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
+    with http.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
@@ -143,7 +143,7 @@ def test_vanishing_temperature_and_top_p_mean_greedy(live, tiny_engine):
     """Below float32's range they used to reach the engine as 0 and give nan probabilities (a 500)."""
     ref = reference(live, tiny_engine, "abc", method="autoregressive", max_new_tokens=8)
     for extra in ({"temperature": 5e-324}, {"temperature": 1.0, "top_p": 5e-324}):
-        r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 8,
+        r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 8,
                                                               "speculation": {"method": "autoregressive"}, **extra})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
 
@@ -151,7 +151,7 @@ def test_vanishing_temperature_and_top_p_mean_greedy(live, tiny_engine):
 def test_exact_request_is_plain_decodings_output(live, tiny_engine):
     ref = reference(live, tiny_engine, "abcabcabc", method="autoregressive", max_new_tokens=12)
     for method in ("draft", "tree"):
-        r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "abcabcabc", "max_tokens": 12,
+        r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "abcabcabc", "max_tokens": 12,
                                                               "speculation": {"method": method, "exact": True}})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
 
@@ -227,7 +227,7 @@ BAD = [
 def test_bad_input_gets_openai_error_then_server_still_serves(live, path, body, status, code, param):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body}
-    r = httpx.post(f"{live.url}/v1/{path}", timeout=60, **kw)
+    r = http.post(f"{live.url}/v1/{path}", timeout=60, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -236,7 +236,7 @@ def test_bad_input_gets_openai_error_then_server_still_serves(live, path, body, 
         assert err["code"] == code
     if param is not None:
         assert err["param"] == param
-    good = httpx.post(f"{live.url}/v1/completions", json=GOOD, timeout=60)
+    good = http.post(f"{live.url}/v1/completions", json=GOOD, timeout=60)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
 
 
@@ -261,7 +261,7 @@ def test_bad_values_get_the_engines_message(live, tiny_engine, fields, kwargs, p
     kwargs = {"prompt": "hi", "method": "draft", "gamma": 3, **kwargs}
     with pytest.raises(SpecDecodeError) as e:
         tiny_engine.stream(kwargs.pop("prompt"), **kwargs)
-    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", **fields}, timeout=60)
+    r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", **fields}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"] == {"message": str(e.value), "type": "invalid_request_error", "param": param,
                                  "code": "invalid_value"}
@@ -270,7 +270,7 @@ def test_bad_values_get_the_engines_message(live, tiny_engine, fields, kwargs, p
 def test_chat_messages_errors_are_the_engines(live, tiny_engine):
     with pytest.raises(SpecDecodeError) as e:
         tiny_engine.stream([{"role": "user", "content": "  "}])
-    r = httpx.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "  "}]})
+    r = http.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "  "}]})
     assert r.status_code == 400 and r.json()["error"]["message"] == str(e.value)
     assert r.json()["error"]["param"] == "messages"
 
@@ -290,23 +290,23 @@ def test_a_chat_template_error_and_a_lone_surrogate_are_the_clients_400():
         for stream in (False, True):
             body = {"model": MODEL, "max_tokens": 2, "stream": stream,
                     "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}
-            r = httpx.post(url, json=body, timeout=60)
+            r = http.post(url, json=body, timeout=60)
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert "Conversation roles must alternate" in err["message"] and err["param"] == "messages"
             assert err["type"] == "invalid_request_error"
         ok = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
-        assert httpx.post(url, json=ok, timeout=60).status_code == 200  # the template itself works
+        assert http.post(url, json=ok, timeout=60).status_code == 200  # the template itself works
         raw = (b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
                b'{"model": "tiny", "max_tokens": 2, "prompt": "a\\udc00"}')
         for path, body in zip(("chat/completions", "completions"), raw):
-            r = httpx.post(f"{srv.url}/v1/{path}", content=body, headers={"content-type": "application/json"},
+            r = http.post(f"{srv.url}/v1/{path}", content=body, headers={"content-type": "application/json"},
                            timeout=60)
             assert r.status_code == 400, r.text
             assert "surrogate" in r.json()["error"]["message"]
             assert r.json()["error"]["param"] == ("messages" if path == "chat/completions" else "prompt")
         paired = b'{"model": "tiny", "max_tokens": 2, "prompt": "a\\ud83d\\ude00"}'  # a pair is one character
-        assert httpx.post(f"{srv.url}/v1/completions", content=paired,
+        assert http.post(f"{srv.url}/v1/completions", content=paired,
                           headers={"content-type": "application/json"}, timeout=60).status_code == 200
     finally:
         srv.stop()
@@ -332,7 +332,7 @@ UNSUPPORTED_FIELDS = [
 def test_unsupported_openai_fields_get_a_400(live, path, fields, param):
     body = {"model": MODEL, "max_tokens": 2, **fields}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
-    r = httpx.post(f"{live.url}/v1/{path}", json=body, timeout=60)
+    r = http.post(f"{live.url}/v1/{path}", json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == "unsupported_parameter" and "not supported" in err["message"]
@@ -345,7 +345,7 @@ def test_fields_that_ask_for_nothing_are_accepted(live, client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                          extra_body=harmless)
     assert 1 <= out.usage.completion_tokens <= 3
-    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": False,
+    r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": False,
                                                        "best_of": 1, "logprobs": None, "suffix": None})
     assert r.status_code == 200, r.text
 
@@ -363,7 +363,7 @@ def test_the_prompt_is_tokenized_once(live, tiny_engine, monkeypatch, chat, stre
     monkeypatch.setattr(tiny_engine, "encode", counting)
     body = {"model": MODEL, "max_tokens": 4, "stream": stream}
     body.update({"messages": [{"role": "user", "content": "once"}]} if chat else {"prompt": "once"})
-    r = httpx.post(f"{live.url}/v1/{'chat/completions' if chat else 'completions'}", json=body, timeout=60)
+    r = http.post(f"{live.url}/v1/{'chat/completions' if chat else 'completions'}", json=body, timeout=60)
     assert r.status_code == 200 and len(calls) == 1
 
 
@@ -377,7 +377,7 @@ def test_a_queued_stream_gets_its_headers_at_once_and_keepalives():
                             "a")
         wait_for(lambda: srv.worker.busy)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "abc"}], "max_tokens": 6, "stream": True}
-        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
+        with http.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             assert srv.worker.queued == 1  # the headers came while the request waits
             lines = r.iter_lines()
@@ -404,9 +404,9 @@ def test_a_queued_stream_gets_its_headers_at_once_and_keepalives():
 
 
 def test_unknown_route_and_method(live):
-    r = httpx.get(f"{live.url}/v1/engines")
+    r = http.get(f"{live.url}/v1/engines")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-    r = httpx.get(f"{live.url}/v1/completions")
+    r = http.get(f"{live.url}/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
 
 
@@ -425,15 +425,15 @@ def test_api_key(tiny_engine):
     try:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
-            r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=headers)
+            r = http.post(f"{srv.url}/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
-        r = httpx.post(f"{srv.url}/v1/completions", content=b"{bad json", headers={"content-type": "application/json"})
+        r = http.post(f"{srv.url}/v1/completions", content=b"{bad json", headers={"content-type": "application/json"})
         assert r.status_code == 401  # the key is checked before the body is read
-        assert httpx.get(f"{srv.url}/v1/models").status_code == 401
-        ok = httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert http.get(f"{srv.url}/v1/models").status_code == 401
+        ok = http.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200
-        assert httpx.get(f"{srv.url}/health").status_code == 200 and httpx.get(f"{srv.url}/metrics").status_code == 200
+        assert http.get(f"{srv.url}/health").status_code == 200 and http.get(f"{srv.url}/metrics").status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{srv.url}/v1", api_key="nope", max_retries=0).models.list()
         good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
@@ -462,18 +462,18 @@ def test_api_key_under_a_path_prefix(tiny_engine, how):
     try:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-            r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+            r = http.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
             assert r.headers["www-authenticate"] == "Bearer"
-            assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
-            assert httpx.get(f"{base}/v1/models/{MODEL}", headers=headers).status_code == 401
-        r = httpx.post(f"{base}/v1/completions", content=b"{bad json", headers={"content-type": "application/json"})
+            assert http.get(f"{base}/v1/models", headers=headers).status_code == 401
+            assert http.get(f"{base}/v1/models/{MODEL}", headers=headers).status_code == 401
+        r = http.post(f"{base}/v1/completions", content=b"{bad json", headers={"content-type": "application/json"})
         assert r.status_code == 401  # before the body is read
         good = {"Authorization": f"Bearer {KEY}"}  # the same routes with the key: they are reachable
-        assert httpx.get(f"{base}/v1/models", headers=good).json()["data"][0]["id"] == MODEL
-        ok = httpx.post(f"{base}/v1/completions", json=body, headers=good, timeout=60)
+        assert http.get(f"{base}/v1/models", headers=good).json()["data"][0]["id"] == MODEL
+        ok = http.post(f"{base}/v1/completions", json=body, headers=good, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
-        assert httpx.get(f"{base}/health").status_code == 200
+        assert http.get(f"{base}/health").status_code == 200
     finally:
         srv.stop()
 
@@ -497,12 +497,12 @@ def test_parallel_requests_all_get_the_sequential_answer(live, tiny_engine):
             body["prompt"] = prompt
         url = f"{live.url}/v1/{'chat/completions' if chat else 'completions'}"
         if not stream:
-            r = httpx.post(url, json=body, timeout=120)
+            r = http.post(url, json=body, timeout=120)
             assert r.status_code == 200, r.text
             c = r.json()["choices"][0]
             return c["message"]["content"] if chat else c["text"]
         text = ""
-        with httpx.stream("POST", url, json=body, timeout=120) as r:
+        with http.stream("POST", url, json=body, timeout=120) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -552,7 +552,7 @@ class _ControlledStream:
 def _post_in_thread(url, body, results, key):
     def run():
         try:
-            results[key] = httpx.post(url, json=body, timeout=120)
+            results[key] = http.post(url, json=body, timeout=120)
         except Exception as e:  # noqa: BLE001
             results[key] = e
     t = threading.Thread(target=run, daemon=True)
@@ -579,15 +579,15 @@ def test_queue_full_gives_503_with_retry_after():
         wait_for(lambda: srv.worker.busy)
         b = _post_in_thread(url, body, results, "b")  # waiting in the queue
         wait_for(lambda: srv.worker.queued == 1)
-        r = httpx.post(url, json=body)
+        r = http.post(url, json=body)
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
-        assert httpx.get(f"{srv.url}/health").json() == {"status": "ok", "model": MODEL, "busy": True, "queued": 1}
+        assert http.get(f"{srv.url}/health").json() == {"status": "ok", "model": MODEL, "busy": True, "queued": 1}
         ctl.gate.set()
         a.join(60), b.join(60)
         assert results["a"].status_code == results["b"].status_code == 200
         assert results["a"].json()["choices"][0]["text"] == results["b"].json()["choices"][0]["text"]
-        assert httpx.post(url, json=body).status_code == 200
+        assert http.post(url, json=body).status_code == 200
     finally:
         ctl.gate.set()
         srv.stop()
@@ -598,7 +598,7 @@ def test_disconnect_mid_stream_stops_generation_and_frees_the_worker():
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="draft", gamma=3, max_queue=1))
     try:
         body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 400, "stream": True}
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        with http.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
@@ -610,7 +610,7 @@ def test_disconnect_mid_stream_stops_generation_and_frees_the_worker():
         assert metric(m, "specdecode_generations_total", finish_reason="cancelled") == 1
         assert 0 < metric(m, "specdecode_generated_tokens_total") < 400
         assert metric(m, "specdecode_worker_busy") == 0 and metric(m, "specdecode_queue_depth") == 0
-        ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60)
+        ok = http.post(f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     finally:
         srv.stop()
@@ -648,7 +648,7 @@ def test_timeouts():
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1, timeout_s=0.6))
     try:
         url = f"{srv.url}/v1/completions"
-        r = httpx.post(url, json={"model": MODEL, "prompt": "abc", "max_tokens": 300}, timeout=60)
+        r = http.post(url, json={"model": MODEL, "prompt": "abc", "max_tokens": 300}, timeout=60)
         assert r.status_code == 200
         out = r.json()
         assert out["choices"][0]["finish_reason"] == "length" and out["speculation"]["finish_reason"] == "timeout"
@@ -658,7 +658,7 @@ def test_timeouts():
         results = {}
         a = _post_in_thread(url, {"model": MODEL, "prompt": "abc", "max_tokens": 2}, results, "a")
         wait_for(lambda: srv.worker.busy)
-        r = httpx.post(url, json={"model": MODEL, "prompt": "abc", "max_tokens": 2}, timeout=60)
+        r = http.post(url, json={"model": MODEL, "prompt": "abc", "max_tokens": 2}, timeout=60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "timeout" and "retry-after" in r.headers
         ctl.gate.set()
         a.join(60)
@@ -674,11 +674,11 @@ def test_timeouts():
 def test_metrics_move(live):
     live.wait_idle()
     before = metrics(live.url)
-    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "count me", "max_tokens": 10,
+    r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "count me", "max_tokens": 10,
                                                           "speculation": {"method": "draft", "gamma": 3}})
     assert r.status_code == 200
     spec = r.json()["speculation"]
-    httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": ""})
+    http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": ""})
     live.wait_idle()
     after = metrics(live.url)
 
@@ -696,7 +696,7 @@ def test_metrics_move(live):
     assert delta("specdecode_time_to_first_token_seconds_count") == 1
     assert delta("specdecode_request_latency_seconds_count", endpoint="completions") == 1
     assert metric(after, "specdecode_server_info", model=MODEL, method="draft", gamma="3") == 1
-    text = httpx.get(f"{live.url}/metrics").text
+    text = http.get(f"{live.url}/metrics").text
     for name in ("specdecode_requests_total", "specdecode_prompt_tokens_total", "specdecode_generated_tokens_total",
                  "specdecode_drafted_tokens_total", "specdecode_accepted_tokens_total",
                  "specdecode_accepted_by_position_total", "specdecode_time_to_first_token_seconds_bucket",
@@ -744,7 +744,7 @@ def test_serve_command_matches_generate(tiny_dirs, capsys):
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "the server did not come up"
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if http.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
@@ -752,13 +752,13 @@ def test_serve_command_matches_generate(tiny_dirs, capsys):
         out = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0)
         assert out.choices[0].text == cli_text
         head = {"Authorization": f"Bearer {KEY}"}
-        r = httpx.post(f"{url}/v1/completions", headers=head,
+        r = http.post(f"{url}/v1/completions", headers=head,
                        json={"model": MODEL, "prompt": "hello", "max_tokens": 17})  # over --max-tokens
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-        r = httpx.post(f"{url}/v1/completions", headers=head,
+        r = http.post(f"{url}/v1/completions", headers=head,
                        json={"model": MODEL, "prompt": "x" * 90, "max_tokens": 16})  # 90 + 16 > --ctx-size 100
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        r = httpx.post(f"{url}/v1/completions", headers=head, json={"model": MODEL, "prompt": "x" * 90})
+        r = http.post(f"{url}/v1/completions", headers=head, json={"model": MODEL, "prompt": "x" * 90})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 10  # the Engine stops at 100
     finally:
         proc.send_signal(signal.SIGINT)
@@ -851,7 +851,7 @@ def test_the_tokenizer_is_never_used_by_two_threads_at_once():
             body = {"model": MODEL, "max_tokens": 12, "stream": i % 2 == 0}
             body.update({"messages": [{"role": "user", "content": f"chat {i}"}]} if i % 3 else {"prompt": f"text {i}"})
             path = "chat/completions" if i % 3 else "completions"
-            return httpx.post(f"{srv.url}/v1/{path}", json=body, timeout=120).status_code
+            return http.post(f"{srv.url}/v1/{path}", json=body, timeout=120).status_code
 
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(ask, range(16))) == [200] * 16
@@ -891,7 +891,7 @@ def test_shutdown_while_a_pass_runs_ends_the_stream_with_an_error_event():
     ctl = ControlledEngine(build_engine(), delay=0.02)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 400, "stream": True}
-    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+    with http.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         t0 = time.monotonic()
@@ -992,13 +992,13 @@ def test_an_error_after_the_stream_began_ends_it_with_an_error_event(how):
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     try:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "stream": True}
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        with http.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line]
         assert events[-1] == "data: [DONE]", events
         assert json.loads(events[-2][6:])["error"]["code"] == "internal_error"
-        assert httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False}).status_code == 500
-        assert httpx.get(f"{srv.url}/health").json()["busy"] is False  # and the server goes on
+        assert http.post(f"{srv.url}/v1/completions", json={**body, "stream": False}).status_code == 500
+        assert http.get(f"{srv.url}/health").json()["busy"] is False  # and the server goes on
     finally:
         srv.stop()
 
@@ -1036,12 +1036,12 @@ def test_an_engine_error_mid_generation_is_the_servers_fault_unless_the_clients(
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     try:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}
-        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        r = http.post(f"{srv.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert err["code"] == code and err["type"] == ("invalid_request_error" if status < 500 else "server_error")
         assert ("retry-after" in r.headers) == (status == 503)
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        with http.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line]
         assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == code
@@ -1057,13 +1057,13 @@ def test_a_request_body_over_the_limit_is_a_413_before_it_is_read():
     try:
         url = f"{srv.url}/v1/completions"
         big = {"model": MODEL, "prompt": "x" * 3000, "max_tokens": 2}
-        r = httpx.post(url, json=big)
+        r = http.post(url, json=big)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert "2000 bytes" in r.json()["error"]["message"]
         chunks = (json.dumps(big)[i:i + 500].encode() for i in range(0, 3100, 500))  # chunked: no Content-Length
-        r = httpx.post(url, content=chunks, headers={"content-type": "application/json"})
+        r = http.post(url, content=chunks, headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-        assert httpx.post(url, json={**big, "prompt": "x" * 100}).status_code == 200
+        assert http.post(url, json={**big, "prompt": "x" * 100}).status_code == 200
     finally:
         srv.stop()
 
@@ -1077,9 +1077,9 @@ def test_an_obviously_too_long_prompt_and_a_full_queue_are_refused_before_tokeni
     try:
         url = f"{srv.url}/v1/completions"
         # no token of the byte tokenizer covers more than 13 characters: 512 tokens cover at most 13,312
-        r = httpx.post(url, json={"model": MODEL, "prompt": "x" * 14000, "max_tokens": 2})
+        r = http.post(url, json={"model": MODEL, "prompt": "x" * 14000, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        r = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+        r = http.post(f"{srv.url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
             {"role": "user", "content": "x" * 7000}, {"role": "user", "content": "y" * 7000}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert calls == []
@@ -1091,7 +1091,7 @@ def test_an_obviously_too_long_prompt_and_a_full_queue_are_refused_before_tokeni
         b = _post_in_thread(url, body, results, "b")  # waiting
         wait_for(lambda: srv.worker.queued == 1)
         assert len(calls) == 2
-        r = httpx.post(url, json=body)
+        r = http.post(url, json=body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
         assert len(calls) == 2  # refused before tokenizing
         ctl.gate.set()
@@ -1113,7 +1113,7 @@ def test_the_output_history_is_off_by_default_kept_per_api_key_and_never_holds_p
         prompt_ids = engine.encode(prompt)
 
         def ask(key):
-            r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+            r = http.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
                            json={"model": MODEL, "prompt": prompt, "max_tokens": 12}, timeout=60)
             assert r.status_code == 200
             return r.json()
@@ -1135,7 +1135,7 @@ def test_the_output_history_is_off_by_default_kept_per_api_key_and_never_holds_p
 def test_per_source_counts_in_responses_when_the_operator_asks():
     srv = LiveServer(create_app(build_engine(), model_id=MODEL, method="pld", gamma=2, show_sources=True))
     try:
-        r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "abcabc", "max_tokens": 8})
+        r = http.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "abcabc", "max_tokens": 8})
         assert "sources" in r.json()["speculation"]
     finally:
         srv.stop()
@@ -1149,7 +1149,7 @@ def test_a_started_stream_that_is_silent_gets_keepalives():
     try:
         ctl.gate.clear()  # the job starts, then stays silent at the gate
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "stream": True}
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=5) as r:
+        with http.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=5) as r:
             lines = r.iter_lines()
             comments = 0
             for line in lines:
@@ -1183,7 +1183,7 @@ def test_a_running_stream_is_not_stalled_by_big_requests_being_tokenized(own_tok
     try:
         arrivals, results = [], {}
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 400, "stream": True}
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
+        with http.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
             threads = []
             for line in r.iter_lines():
                 if line.startswith("data: {"):

@@ -7,8 +7,12 @@ The names load on first use (PEP 562): the command line's parsers read the choic
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from .choices import BACKENDS, DRAFT_QUANT_CHOICES
+
+if TYPE_CHECKING:
+    from .base import LM
 
 _EXPORTS = {"LM": ".base", "CachedLM": ".torch_lm",
             **dict.fromkeys(("BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET", "ChunkedGGUF", "as_lm", "assemble",

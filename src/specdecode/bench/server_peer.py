@@ -70,7 +70,7 @@ class LlamaServerPeer:
         self.server.__exit__(None, None, None)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed) -> dict:
-        import httpx
+        from ..launch import http
         if temperature != 0:
             raise SpecDecodeError("the llama-server peers are benchmarked greedy only (--temperature 0)")
         body = {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
@@ -78,7 +78,7 @@ class LlamaServerPeer:
         ids: list[int] = []
         ttft = final = None
         t = time.perf_counter()
-        with httpx.stream("POST", self.url + "/completion", json=body, timeout=3600) as r:
+        with http.stream("POST", self.url + "/completion", json=body, timeout=3600) as r:
             if r.status_code != 200:
                 raise SpecDecodeError(f"llama-server answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
             for line in r.iter_lines():

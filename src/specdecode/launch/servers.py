@@ -131,6 +131,8 @@ class Launched:
 
     def __enter__(self) -> Launched:
         import httpx
+
+        from . import http
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         self._log.write("$ " + shlex.join(self.argv) + "\n")
@@ -147,7 +149,7 @@ class Launched:
                 self.__exit__(None, None, None)
                 raise SpecDecodeError(f"server not ready after {self.ready_timeout:.0f} s: {self.tail()}")
             try:
-                if httpx.get(self.url + self.health, timeout=5).status_code == 200:
+                if http.get(self.url + self.health, timeout=5).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

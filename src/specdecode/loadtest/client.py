@@ -219,8 +219,8 @@ def level_rows(prompts: list[dict], concurrency: int, requests: int | None) -> l
 
 def server_model(url: str, timeout: float = 30.0) -> str:
     """The first model id the server lists at /v1/models (what our server requires as `model`)."""
-    import httpx
-    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout)
+    from ..launch import http
+    r = http.get(url.rstrip("/") + "/v1/models", timeout=timeout)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 

@@ -176,9 +176,9 @@ def _model_of(url: str) -> str:
 
 
 def _health(url: str) -> dict | None:
-    import httpx
+    from ..launch import http
     try:
-        return httpx.get(url + "/health", timeout=10).json()
+        return http.get(url + "/health", timeout=10).json()
     except Exception:  # noqa: BLE001 - a server that does not answer is not idle
         return None
 
@@ -188,9 +188,9 @@ METRIC = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 
 def _metrics(url: str) -> dict[str, float]:
     """/metrics as {name{labels}: value}, {} where it does not answer."""
-    import httpx
+    from ..launch import http
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = http.get(url + "/metrics", timeout=10).text
     except Exception:  # noqa: BLE001
         return {}
     out = {}
