@@ -25,11 +25,11 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+from ..server import GRACEFUL_SHUTDOWN_S
 from .client import first_difference, percentile
 
 DOCUMENTED_503 = {"queue_full", "timeout", "shutting_down", "engine_unavailable"}
 RESTART_SLACK_S = 1.0  # after the new server answers /health: connections refused this long after still count as down
-GRACEFUL_S = 10.0  # serve's graceful-shutdown timeout (server.app.GRACEFUL_SHUTDOWN_S; the loadtest imports no server)
 
 
 def error_code(rec: dict) -> str | None:
@@ -155,7 +155,7 @@ def closed_unread(r: dict, restart: dict | None) -> bool:
     return (restart is not None and r.get("status") is None and not r.get("refused") and not r.get("hung_up")
             and str(r.get("error") or "").startswith(("ReadError", "RemoteProtocolError"))
             and restart.get("exit_code") in (0, -signal.SIGTERM) and restart.get("exit_s") is not None
-            and restart["exit_s"] < GRACEFUL_S
+            and restart["exit_s"] < GRACEFUL_SHUTDOWN_S
             and restart["t_sigterm"] <= r["t_end"] <= restart["t_exit"] + RESTART_SLACK_S)
 
 

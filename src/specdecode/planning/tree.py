@@ -89,12 +89,17 @@ class TreeDrafter:
         self.draft_nodes: int | None = None  # tree nodes the draft model's cache may hold in one step (None: any)
         self.costs, self.state = costs, state or TreeState()
         self._now = costs  # the costs at the current context length (set each step)
-        self.lazy, self.remaining = lazy, remaining
+        self.lazy, self.budget = lazy, remaining  # budget: the generation's new tokens (None: not known)
         self.written = 0  # tokens this generation has committed
         self.catchup_s = 0.0  # wall seconds of this step's draft catch-up (reading unseen text)
         self.nodes: list[Node] = []  # everything grown this step
         self.kept: list[Node] = []  # the nodes sent to the target, in Draft order
         self.spent = 0.0  # modelled draft seconds of the current step
+
+    @property
+    def remaining(self) -> int | None:
+        """The generation's tokens still to come (None: not known)."""
+        return None if self.budget is None else self.budget - self.written
 
     def limit(self, nodes: int, chains_only: bool) -> None:
         """At most `nodes` guesses per pass (exact mode's pass sizes), one child per node if chains_only."""
@@ -362,8 +367,6 @@ class TreeDrafter:
         if self.lookup is not None:
             self.lookup.accepted([kept[i].guess for i in path if kept[i].guess is not None])
         self.written += len(path) + 1
-        if self.remaining is not None:
-            self.remaining -= len(path) + 1
         if self.model is not None:
             branch = []
             for i in path:  # the accepted nodes that went through a draft pass: a prefix of the path

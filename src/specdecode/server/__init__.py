@@ -19,6 +19,11 @@ from __future__ import annotations
 
 import importlib
 
+# at shutdown, the longest uvicorn waits for open connections once the worker has stopped every generation (a
+# client that reads its stream slowly, or not at all, would otherwise hold the shutdown without end); here, not in
+# app.py, so that the soak test's judgement reads it without the server's packages
+GRACEFUL_SHUTDOWN_S = 10
+
 # each name and its module, imported on first use: the CLI builds serve's parser (cli.py) without the extra
 _EXPORTS = {"create_app": "app", "serve": "app", "ray_app": "ray_serve", "serve_ray": "ray_serve",
             "engine_lock": "scheduler"}

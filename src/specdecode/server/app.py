@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import SpecDecodeError
 from ..methods import METHOD_TABLE, REQUIRED, get_method, wants_draft_model
-from . import protocol as p
+from . import GRACEFUL_SHUTDOWN_S, protocol as p
 from .metrics import Metrics
 from .protocol import APIError
 from .scheduler import Worker
@@ -33,9 +33,6 @@ log = logging.getLogger("specdecode.server")
 
 MAX_BODY_BYTES = 8 << 20  # request bodies beyond this get a 413 before they are read
 KEEPALIVE_S = 10.0  # seconds between ": keep-alive" comments while a streamed request is silent (queued, reading)
-# at shutdown, the longest uvicorn waits for open connections once the worker has stopped every generation (a
-# client that reads its stream slowly, or not at all, would otherwise hold the shutdown without end)
-GRACEFUL_SHUTDOWN_S = 10
 
 
 class Gate:
