@@ -8,26 +8,18 @@ import importlib
 import sys
 import types
 
+from .lazy import lazy_names
+
 # each public name and the module that defines it (`verify`: the _Package property below)
-_EXPORTS = {"Engine": "engine", "METHODS": "engine", "speculative_decode": "loop", "SpecDecodeError": "errors",
-            "SamplingParams": "sampling", "probs_from_logits": "sampling", "Generation": "stats", "Stats": "stats"}
+_EXPORTS = {"Engine": ".engine", "METHODS": ".engine", "speculative_decode": ".loop", "SpecDecodeError": ".errors",
+            "SamplingParams": ".sampling", "probs_from_logits": ".sampling", "Generation": ".stats", "Stats": ".stats"}
 
 __all__ = ["Engine", "Generation", "Stats", "METHODS", "SpecDecodeError", "SamplingParams",
            "probs_from_logits", "speculative_decode", "verify"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 
 class _Package(types.ModuleType):

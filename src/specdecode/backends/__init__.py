@@ -6,9 +6,9 @@ this package code asks an LM what it can do (its members), never which backend i
 The names load on first use (PEP 562): the command line's parsers read the choices (choices.py) without torch."""
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from ..lazy import lazy_names
 from .choices import BACKENDS, DRAFT_QUANT_CHOICES
 
 if TYPE_CHECKING:
@@ -17,16 +17,16 @@ if TYPE_CHECKING:
 _EXPORTS = {"LM": ".base", "CachedLM": ".torch_lm",
             **dict.fromkeys(("BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET", "ChunkedGGUF", "as_lm", "assemble",
                              "cache_dir", "check_draft_vocab", "converted", "gguf_tokenizer", "load_draft_lm", "load_lm",
-                             "load_model", "load_tokenizer", "resolve_backend", "torch_threads_for"), ".loading")}
+                             "load_model", "load_tokenizer", "resolve_backend", "torch_threads_for"), ".loading"),
+            # the llama.cpp subpackage's names that code outside backends/ uses (continuous batching's slots, the
+            # llama-server build): importing this package loads none of llama.cpp's modules or bindings
+            **dict.fromkeys(("LlamaLM", "Lockstep", "NO_AMX_FLAGS", "node_ids", "time_mixing"), ".llamacpp")}
 
 __all__ = ["LM", "CachedLM", "LlamaLM", "as_lm", "BACKENDS", "BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET",
            "DRAFT_QUANT_CHOICES", "ChunkedGGUF", "assemble", "cache_dir", "check_draft_vocab", "converted",
            "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend",
            "torch_threads_for", "slots",
            "Lockstep", "NO_AMX_FLAGS", "node_ids", "time_mixing"]
-# the llama.cpp subpackage's names that code outside backends/ uses (continuous batching's slots, the llama-server
-# build), loaded on first use: importing this package loads none of the llama.cpp modules
-_LLAMACPP = {"LlamaLM", "Lockstep", "NO_AMX_FLAGS", "node_ids", "time_mixing"}
 
 
 def slots(lm: LM, n: int, cells: int, lockstep, cost=None) -> list[LM]:
@@ -39,19 +39,4 @@ def slots(lm: LM, n: int, cells: int, lockstep, cost=None) -> list[LM]:
     return SharedContext(lm, n, cells, lockstep, cost).slots
 
 
-def __getattr__(name):
-    """A name on first use; the llama.cpp ones (_LLAMACPP) too: importing llama.cpp's bindings is left to whoever
-    runs it."""
-    if name in _LLAMACPP:
-        from . import llamacpp
-        return getattr(llamacpp, name)
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

@@ -9,7 +9,7 @@ table's flags say how it is summed up); a new peer is a name in peers.PEERS and 
 
 Its names load on first use (PEP 562): `specdecode bench`'s parser, built for every command, loads no torch.
 """
-import importlib
+from ..lazy import lazy_names
 
 # each public name and the module (in this package, or launch/) that defines it
 _EXPORTS = {
@@ -26,14 +26,4 @@ __all__ = ["BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "hf_assisted", 
            "cost_model_bound", "decode_rate", "summarize"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

@@ -12,7 +12,7 @@ The names load on first use (PEP 562): the command line's parsers read DRAFT_WIN
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_names
 
 # tokens of context the draft model sees (see DraftModel.window; --draft-window). Measured on long prompts
 # (scripts/draft_window_sweep.py; README): summaries, document questions, code edits and translations follow
@@ -36,14 +36,4 @@ __all__ = ["Alignment", "CopyGuess", "followed", "Draft", "Drafter", "fit_vocab"
            "Datastore", "build_datastore", "index_files", "tokenizer_fingerprint"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

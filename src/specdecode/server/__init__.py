@@ -17,7 +17,7 @@ replicas that each load their own Engine (`ray_serve`).
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_names
 
 # at shutdown, the longest uvicorn waits for open connections once the worker has stopped every generation (a
 # client that reads its stream slowly, or not at all, would otherwise hold the shutdown without end); here, not in
@@ -25,18 +25,10 @@ import importlib
 GRACEFUL_SHUTDOWN_S = 10
 
 # each name and its module, imported on first use: the CLI builds serve's parser (cli.py) without the extra
-_EXPORTS = {"create_app": "app", "serve": "app", "ray_app": "ray_serve", "serve_ray": "ray_serve",
-            "engine_lock": "scheduler"}
+_EXPORTS = {"create_app": ".app", "serve": ".app", "ray_app": ".ray_serve", "serve_ray": ".ray_serve",
+            "engine_lock": ".scheduler"}
 
 __all__ = ["create_app", "serve", "engine_lock", "ray_app", "serve_ray"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
