@@ -31,8 +31,9 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
     by definition). interrupt: asked between the prompt's passes (prefill)."""
     if exact is not None and drafter is not None:
         drafter = ExactDrafter(drafter, exact, target)
-    ids, head = prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy, scope,
-                        interrupt, exact=exact is not None)
+    with torch.inference_mode():
+        ids, head = prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy,
+                            scope, interrupt, exact=exact is not None)
     emitted = len(head)
     if head:
         stats.record(Draft([], None), 0, 1)
@@ -47,19 +48,21 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
             return
         g = min(gamma, room - 1) if drafter is not None else 0  # never draft what cannot be emitted
 
-        # 1. draft: guesses that continue ids (a chain or a tree; none for plain decoding)
-        t0 = time.perf_counter()
-        draft = drafter.propose(ids, g, params, generator) if g > 0 else Draft([], None)
-        t1 = time.perf_counter()
-        # 2. verify: the ONE target pass over the last committed token (the root) and every drafted token
-        root = len(target)
-        logits = target.forward([ids[-1]] + draft.tokens, parents=[root - 1] + [root + a + 1 for a in draft.tree_parents])
-        # 3. accept and roll back: the accepted path and one token of the target's own (bonus or residual);
-        # the caches keep ids + the accepted branch, the new last token stays uncached
-        path, bonus = verdict(logits, draft, params, generator)
-        target.rollback(len(ids), [root + 1 + i for i in path])
-        if drafter is not None and g > 0:
-            drafter.commit(len(ids), path, bonus)
+        with torch.inference_mode():  # a step only reads the models (once here, not in every pass and rollback)
+            # 1. draft: guesses that continue ids (a chain or a tree; none for plain decoding)
+            t0 = time.perf_counter()
+            draft = drafter.propose(ids, g, params, generator) if g > 0 else Draft([], None)
+            t1 = time.perf_counter()
+            # 2. verify: the ONE target pass over the last committed token (the root) and every drafted token
+            root = len(target)
+            logits = target.forward([ids[-1]] + draft.tokens,
+                                    parents=[root - 1] + [root + a + 1 for a in draft.tree_parents])
+            # 3. accept and roll back: the accepted path and one token of the target's own (bonus or residual);
+            # the caches keep ids + the accepted branch, the new last token stays uncached
+            path, bonus = verdict(logits, draft, params, generator)
+            target.rollback(len(ids), [root + 1 + i for i in path])
+            if drafter is not None and g > 0:
+                drafter.commit(len(ids), path, bonus)
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..errors import SpecDecodeError
-from .base import LM
+from .base import LM, no_autograd
 
 
 class CachedLM(LM):
@@ -37,6 +37,7 @@ class CachedLM(LM):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
         self.eos_token_ids = model_eos_ids(model)
+        self.cache_checked = False  # whether a pass has shown that the model keeps its keys and values in our cache
         self.reset()
 
     @property
@@ -118,7 +119,7 @@ class CachedLM(LM):
         self.rollback(start + n)
         return out[n - 1:n] if last_only else out[:n]
 
-    @torch.inference_mode()
+    @no_autograd
     def _pass(self, new_ids: list[int], last_only: bool, parents: list[int] | None) -> torch.Tensor:
         if not new_ids:
             raise ValueError("forward needs at least one token")
@@ -130,16 +131,19 @@ class CachedLM(LM):
             raise ValueError(f"{len(new_ids)} tokens but {len(parents)} parents")
         causal = self.trunk == start and parents == chain  # plain causal attention, no mask to build
         kwargs = {} if causal else self._tree_inputs(start, parents)
-        before = self.cache.get_seq_length()
+        before = None if self.cache_checked else self.cache.get_seq_length()
         out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0, **kwargs)
-        grown = self.cache.get_seq_length() - before
-        if grown != len(new_ids):
+        if before is not None:  # the model's first pass: does it keep its keys and values in our cache?
             # transformers before 5.24 takes the cache as `past_key_values`: its models swallow `cache=`
             # into **kwargs and build a throwaway cache, and every later pass would be silently wrong
-            raise SpecDecodeError(f"{type(self.model).__name__} did not use the KV cache it was given (the cache grew "
-                                  f"by {grown} entries for {len(new_ids)} tokens). specdecode needs "
-                                  f"transformers>=5.24,<6, whose models take `cache=` (installed: "
-                                  f"{transformers.__version__}), and a model that keeps its keys and values there")
+            grown = self.cache.get_seq_length() - before
+            if grown == len(new_ids):
+                self.cache_checked = True
+            else:
+                raise SpecDecodeError(f"{type(self.model).__name__} did not use the KV cache it was given (the cache grew "
+                                      f"by {grown} entries for {len(new_ids)} tokens). specdecode needs "
+                                      f"transformers>=5.24,<6, whose models take `cache=` (installed: "
+                                      f"{transformers.__version__}), and a model that keeps its keys and values there")
         self.ids.extend(new_ids)
         if causal:
             self.trunk = len(self.ids)
@@ -211,7 +215,7 @@ class CachedLM(LM):
         return {"attention_mask": mask[None, None].to(self.device),  # [1, 1, n, total]: additive
                 "position_ids": torch.tensor([positions], dtype=torch.long, device=self.device)}
 
-    @torch.inference_mode()
+    @no_autograd
     def rollback(self, length: int, path: list[int] = ()) -> None:
         """Keep the first `length` cached entries, then the entries at `path` (ascending cache
         indices, each the child of the one before: an accepted tree branch). All else is forgotten."""

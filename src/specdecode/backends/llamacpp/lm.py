@@ -27,7 +27,7 @@ import torch
 from ...errors import SpecDecodeError
 from .. import compute
 from .amx import amx_usable
-from ..base import LM
+from ..base import LM, no_autograd
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree pass holds at most 255 nodes
 N_BATCH = 512  # tokens per llama_decode call (a longer causal feed is split)
@@ -274,7 +274,7 @@ class LlamaLM(LM):
     def feed_step(self, left: int) -> int:  # tokens of a causal feed's (a prompt's) next pass, `left` still to read
         return min(left, N_BATCH)
 
-    @torch.inference_mode()
+    @no_autograd
     def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
         """Append new_ids; return float32 logits [len(new_ids), V] (or [1, V] if last_only).
         parents: as in CachedLM.forward (cache indices after the append; None = a causal chain)."""
