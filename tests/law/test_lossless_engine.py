@@ -25,17 +25,17 @@ Every case has a negative control, the same harness with a deliberately wrong en
 accepts everything, a residual replaced by p, tree siblings tried without the residual update, a
 drafter that prunes drawn nodes by their drawn value), which must be rejected (p-value < 1e-6).
 
-Wall time. Every generation runs the real engine code: on a 2-core AMD EPYC Zen 3 VM that is 1.1-2.6 ms of
-Python and small torch ops per generation (pld 1.1, draft 1.8, auto 1.8, lookup 1.9, tree 2.6; one core
-with the other busy), even with the transformer itself replayed: `ReplayModel` wraps the HF model (not CachedLM) and
-memoises its forward by (the exact bytes of every cached key/value, the fed ids, mask and positions).
+Wall time. Every generation runs the real engine code: on a 2-core AMD EPYC Zen 3 VM that is 1.1-2.6
+ms of Python and small torch ops per generation (pld 1.1, draft 1.8, auto 1.8, lookup 1.9, tree 2.6;
+one core with the other busy), even with the transformer itself replayed: `ReplayModel` wraps the HF
+model (not CachedLM) and memoises its forward by (the exact bytes of every cached key/value, the fed ids, mask and positions).
 On a hit it returns the stored logits and appends the stored keys/values to the real DynamicCache, so
 CachedLM's own crop/gather rollback still runs on a real cache. The model is deterministic, so a replay
 is bit-identical to a real pass (test_replay_model_is_bit_identical checks logits and cache contents on
 random chains, tree passes, trees on unrolled trees and branch gathers). Samples are split across the
 CPU cores by fork: each sample's seed, not its process, decides its output, so the counts do not
-depend on the split. With N = 10^5 its 15 cases take 54 CPU-minutes there (one pytest process on one core);
-ENGINE_STATS_N=20000 takes about 4 (and the chi-square then detects only biases sqrt(5) larger).
+depend on the split. With N = 10^5 its 15 cases take 54 CPU-minutes there (one pytest process on one
+core); ENGINE_STATS_N=20000 takes about 4 (and the chi-square then detects only biases sqrt(5) larger).
 """
 from __future__ import annotations
 
