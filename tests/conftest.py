@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,15 @@ from tiny import build_engine, save_tiny  # noqa: E402
 # make them many times slower on a shared 2-core machine. The default-pair test restores the default.
 DEFAULT_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
+
+# torch's and transformers' import leaves millions of objects that live to the end; every full collection walked
+# them all (a third of a worker's start). Frozen, the collector leaves them out; the tests' own garbage is collected
+# as before.
+gc.freeze()
+
+
+def pytest_collection_finish(session):
+    gc.freeze()  # what the test modules imported, likewise
 
 
 @pytest.fixture(scope="module")
