@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .errors import SpecDecodeError
+from .host import MODEL_IMPORTS
 
 # what `specdecode serve` and `specdecode bench` import beyond the core, and the extra that installs it
 EXTRAS = {"serve": ("server", ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "anyio")),
@@ -52,7 +53,7 @@ def add_generate_parser(sub) -> None:
     backend_args(g)
     lookup_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
-    g.set_defaults(run=generate)
+    g.set_defaults(run=generate, imports=MODEL_IMPORTS)
 
 
 def add_certify_parser(sub) -> None:
@@ -73,7 +74,7 @@ def add_certify_parser(sub) -> None:
     backend_args(c)
     c.add_argument("--json", action="store_true", help="print the certificate as JSON")
     c.add_argument("--out", default=None, help="directory for certificate.json and certificate.md")
-    c.set_defaults(run=_certify)
+    c.set_defaults(run=_certify, imports=MODEL_IMPORTS)
 
 
 def _certify(args) -> int:

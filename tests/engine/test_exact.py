@@ -290,7 +290,7 @@ def test_padded_exact_mode_reads_padded_plain_decodings_bits(monkeypatch):
     engine = _padded_engine(monkeypatch, 1.0)
     limits = engine.exact_limits()
     assert exactness.measure(engine.target).max_pass == 1 and engine.target.pad_rows == 1
-    if exactness.measure(engine.target, pad_rows=2).max_pass == 1:
+    if "no longer pass exact either" in limits.checked:  # exactness.choose measured the padded passes
         pytest.skip("on this CPU even 2+-row bf16 passes of the tiny model differ from each other")
     assert limits.pad_rows == 2 and limits.max_pass >= 2 and "padded to 2 rows" in limits.checked, limits
     rows_seen = []  # (rows, padding on) of every target pass

@@ -156,7 +156,7 @@ def test_no_import_cycles():
     assert graph["specdecode.engine"] >= {"specdecode.planning.tree", "specdecode.drafters", "specdecode.loop"}
     assert graph["specdecode.loop"] >= {"specdecode.verify", "specdecode.drafters", "specdecode.prefill"}
     assert "specdecode.backends.loading" in graph["specdecode.engine"]  # imported only inside Engine.load: read too
-    host = {f"specdecode.host.{m}" for m in ("machine", "hugepages", "threads")}
+    host = {f"specdecode.host.{m}" for m in ("machine", "hugepages", "imports", "threads")}
     assert all(graph[m] == set() for m in host)  # leaves: any module (costs, loading, llamacpp) reads them, no cycle
     assert graph["specdecode.host"] <= host
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import SpecDecodeError
+from ..host import MODEL_IMPORTS
 
 
 def add_parser(sub) -> None:
@@ -35,7 +36,7 @@ def add_parser(sub) -> None:
     b.add_argument("--llama-server", default=None, metavar="PATH", help="the llama-server binary of the "
                    "llama-server peers (default: specdecode loadtest --build-llama-server's cached build, then PATH)")
     b.add_argument("--out", default="bench-out", help="directory for results.json, report.md, *.png")
-    b.set_defaults(run=bench)
+    b.set_defaults(run=bench, imports=MODEL_IMPORTS)
 
 
 def bench(args) -> None:

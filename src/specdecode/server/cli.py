@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import SpecDecodeError
+from ..host import MODEL_IMPORTS
 
 
 def add_parser(sub) -> None:
@@ -51,7 +52,7 @@ def add_parser(sub) -> None:
     r.add_argument("--replicas", type=int, default=None, metavar="N", help="with --ray: N replicas (default 1)")
     r.add_argument("--autoscale", default=None, metavar="MIN,MAX",
                    help="with --ray: between MIN and MAX replicas, scaled on each one's queued and running requests")
-    s.set_defaults(run=serve_command)
+    s.set_defaults(run=serve_command, imports=MODEL_IMPORTS)
 
 
 def serve_command(args) -> int | None:
