@@ -12,21 +12,29 @@ import pytest
 # reaches the processes the tests start too. Bits do not depend on it, only how a waiting thread waits.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import build_engine, save_tiny  # noqa: E402
+DEFAULT_THREADS = None  # torch's own thread count, before pytest_configure sets one (the default-pair test restores it)
 
-# Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait for a busy core
-# make them many times slower on a shared 2-core machine. The default-pair test restores the default.
-DEFAULT_THREADS = torch.get_num_threads()
-torch.set_num_threads(1)
 
-# torch's and transformers' import leaves millions of objects that live to the end; every full collection walked
-# them all (a third of a worker's start). Frozen, the collector leaves them out; the tests' own garbage is collected
-# as before.
-gc.freeze()
+@pytest.hookimpl(trylast=True)  # after xdist's, which registers its controller ("dsession")
+def pytest_configure(config):
+    """In a process that runs tests: torch at one thread, and the heavy imports' objects frozen. Not in xdist's
+    controller, which only hands tests out: it is spared torch's and transformers' import, seconds before any
+    worker starts."""
+    global DEFAULT_THREADS
+    if config.pluginmanager.hasplugin("dsession"):
+        return
+    import torch
+    import tiny  # noqa: F401 - transformers' Qwen2, which every worker loads
+    # Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait for a busy core
+    # make them many times slower on a shared 2-core machine.
+    DEFAULT_THREADS = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # torch's and transformers' import leaves millions of objects that live to the end; every full collection
+    # walked them all (a third of a worker's start). Frozen, the collector leaves them out; the tests' own garbage
+    # is collected as before.
+    gc.freeze()
 
 
 def pytest_collection_finish(session):
@@ -37,6 +45,7 @@ def pytest_collection_finish(session):
 def one_torch_thread():
     """One torch thread for a module's tests, whatever a module before it set (tiny models are fastest on one thread,
     and far slower on two threads sharing busy cores); the count before is restored after."""
+    import torch
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -46,6 +55,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """(target_dir, draft_dir): tiny fp32 models saved as HF directories with a byte tokenizer."""
+    from tiny import save_tiny
     root = tmp_path_factory.mktemp("models")
     return save_tiny(root / "target", seed=0), save_tiny(root / "draft", seed=1)
 
@@ -55,6 +65,7 @@ def make_engine():
     """The Engine factory on the tiny fp32 models: make_engine(target=0, draft=1, tokenizer=None, *, costs=None,
     progress=None, **Engine kwargs) builds a fresh Engine (tiny.build_engine); draft=None leaves the draft out.
     Session-scoped (it holds no state), so module fixtures can use it too."""
+    from tiny import build_engine
     return build_engine
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from .errors import SpecDecodeError
-from .host import import_frozen, restart_if_command
+from .host import restart_if_command
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,7 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     restart_if_command()  # the `specdecode` command runs itself again with huge pages, before torch loads
     args = build_parser().parse_args(argv)
-    import_frozen(getattr(args, "imports", ()))  # a command that runs models names its heavy imports
     try:
         return args.run(args) or 0
     except SpecDecodeError as e:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .errors import SpecDecodeError
-from .host import MODEL_IMPORTS
+from .host import MODEL_IMPORTS, import_frozen
 
 # what `specdecode serve` and `specdecode bench` import beyond the core, and the extra that installs it
 EXTRAS = {"serve": ("server", ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "anyio")),
@@ -53,7 +53,7 @@ def add_generate_parser(sub) -> None:
     backend_args(g)
     lookup_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
-    g.set_defaults(run=generate, imports=MODEL_IMPORTS)
+    g.set_defaults(run=generate)
 
 
 def add_certify_parser(sub) -> None:
@@ -74,11 +74,12 @@ def add_certify_parser(sub) -> None:
     backend_args(c)
     c.add_argument("--json", action="store_true", help="print the certificate as JSON")
     c.add_argument("--out", default=None, help="directory for certificate.json and certificate.md")
-    c.set_defaults(run=_certify, imports=MODEL_IMPORTS)
+    c.set_defaults(run=_certify)
 
 
 def _certify(args) -> int:
-    from .certify import certify_command  # (torch: loaded when the command runs)
+    import_frozen(MODEL_IMPORTS)
+    from .certify import certify_command
     return certify_command(args)
 
 
@@ -147,6 +148,7 @@ def generate(args) -> None:
             raise SpecDecodeError(f"--prediction: cannot read {args.prediction}: {e}") from None
     check_request(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **tree_kwargs(args))
+    import_frozen(MODEL_IMPORTS)
     from .routing import loader
     engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, with_draft=wants_draft_model([args.method]), progress=not args.json,

@@ -1,6 +1,6 @@
 """Huge pages for the weights (hugepages.py): when `specdecode` restarts itself with glibc's THP tunable, that
 peers get the user's environment back, and, on a machine where it applies, that the restarted process really
-holds huge pages."""
+holds huge pages. Also the command's heavy imports with the collector paused (imports.py)."""
 import os
 import subprocess
 import sys
@@ -157,3 +157,27 @@ def test_importing_the_package_restarts_nothing_and_loads_no_torch(tmp_path):
     assert (torch_after, engine, verify) == ("True", "Engine", "True"), out.stderr[-2000:]  # loaded when named
     if hugepages.restart_argv(env) is not None:  # where a restart applies at all
         assert restarts_after == "1"  # the command's own call restarts: the check above can see one
+
+
+IMPORT_FROZEN = """
+import gc, sys
+from specdecode.host import import_frozen
+gc.disable()
+import_frozen(("email.mime.text",))  # a collector the caller had paused stays paused
+paused = (not gc.isenabled(), "email.mime.text" in sys.modules, gc.get_freeze_count() > 0)
+gc.enable()
+n = gc.get_freeze_count()
+import_frozen(("email.mime.text",))  # loaded already: nothing happens
+again = gc.get_freeze_count() == n
+import_frozen(("xml.dom.minidom",))
+print(paused, again, gc.isenabled(), gc.get_freeze_count() > n)
+"""
+
+
+@pytest.mark.process
+def test_import_frozen_imports_freezes_and_restores_the_collector():
+    """The command's heavy imports (host.import_frozen): imported with the collector paused, the objects frozen, the
+    collector left as it was; a second call for modules already loaded freezes nothing more (a test process or a
+    program calling main() again keeps its garbage collectable)."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_FROZEN], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[0] == "(True, True, True) True True True", out.stderr[-2000:]

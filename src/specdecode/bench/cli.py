@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import SpecDecodeError
-from ..host import MODEL_IMPORTS
+from ..host import MODEL_IMPORTS, import_frozen
 
 
 def add_parser(sub) -> None:
@@ -36,13 +36,14 @@ def add_parser(sub) -> None:
     b.add_argument("--llama-server", default=None, metavar="PATH", help="the llama-server binary of the "
                    "llama-server peers (default: specdecode loadtest --build-llama-server's cached build, then PATH)")
     b.add_argument("--out", default="bench-out", help="directory for results.json, report.md, *.png")
-    b.set_defaults(run=bench, imports=MODEL_IMPORTS)
+    b.set_defaults(run=bench)
 
 
 def bench(args) -> None:
     from ..checks import positive_int
     from ..commands import require_extra, tree_kwargs
     require_extra("bench")
+    import_frozen(MODEL_IMPORTS)
     from . import (check_methods, default_methods, load_prompts, needs_draft_model, parse_methods, report,
                    run_bench, write_outputs)
     from .server_peer import check_server_peers

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import SpecDecodeError
-from ..host import MODEL_IMPORTS
+from ..host import MODEL_IMPORTS, import_frozen
 
 
 def add_parser(sub) -> None:
@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
     r.add_argument("--replicas", type=int, default=None, metavar="N", help="with --ray: N replicas (default 1)")
     r.add_argument("--autoscale", default=None, metavar="MIN,MAX",
                    help="with --ray: between MIN and MAX replicas, scaled on each one's queued and running requests")
-    s.set_defaults(run=serve_command, imports=MODEL_IMPORTS)
+    s.set_defaults(run=serve_command)
 
 
 def serve_command(args) -> int | None:
@@ -65,6 +65,7 @@ def serve_command(args) -> int | None:
         require_extra("serve --ray")
         from .ray_serve import serve_ray
         return serve_ray(args) or 0
+    import_frozen(MODEL_IMPORTS)
     from .app import serve
     serve(args)
     return None
