@@ -31,6 +31,20 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 
 
 @pytest.fixture(scope="module")
+def _server_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("server-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(_server_cache, monkeypatch):
+    """One cache for this module's servers (in place of conftest's one per test): the first server's start-up measures
+    the tiny models' pass costs, the others read them, as every server after the first on a machine does (the
+    measurement itself: test_context_costs.py and test_cost_measurement_happens_at_start_up_never_in_a_request).
+    No test here replaces a measurement, so what the cache holds is what measuring gives."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(_server_cache))
+
+
+@pytest.fixture(scope="module")
 def live(tiny_engine):
     srv = LiveServer(create_app(tiny_engine, model_id=MODEL, method="draft", gamma=3))
     yield srv
@@ -878,11 +892,13 @@ def test_a_non_streamed_client_that_goes_away_frees_the_worker_while_text_flows(
         srv.stop()
 
 
-def test_cost_measurement_happens_at_start_up_never_in_a_request():
+def test_cost_measurement_happens_at_start_up_never_in_a_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # an empty cache of its own: measured here
     engine = build_engine()
     srv = LiveServer(create_app(engine, model_id=MODEL, method="draft", gamma=3))  # a method without costs
     try:
         assert engine.costs is not None  # measured before the first request, for any method a request may ask for
+        assert list((tmp_path / "cache" / "costs").glob("*.json"))  # by this start-up
     finally:
         srv.stop()
 
