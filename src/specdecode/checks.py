@@ -1,25 +1,18 @@
 """A generation request's arguments, checked without models (Engine.check: front ends call it before
 loading them), a tree's size checked against what the models hold (tree_nodes_cap), before any model work, and
-the positive-integer check every layer uses (positive_int). Torch-free, and so is what check_request imports: the
+the positive-integer check every layer uses (positive_int, from errors.py). Torch-free, and so is what check_request imports: the
 command line checks a request before torch loads, and the load test uses positive_int."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import SpecDecodeError
+from .errors import SpecDecodeError, positive_int
 
 if TYPE_CHECKING:
     from .params import SamplingParams
 
 STOP_CHARS_MAX = 4096  # characters of stop strings one generation may ask for, all together
 FIXED_TREE_NODES = 256  # nodes per pass of a tree whose size the cost model does not choose, at most
-
-
-def positive_int(name: str, value):
-    """`value` where it is an integer of at least 1 (a bool is not one); SpecDecodeError naming `name` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecDecodeError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,

@@ -56,9 +56,8 @@ class Engine:
         self.draft_model = None
         if draft_model is not None:
             check_compatible(tokenizer, draft_tokenizer if draft_tokenizer is not None else tokenizer)
-            if draft_window is not None and (not isinstance(draft_window, int) or isinstance(draft_window, bool)
-                                             or draft_window <= 0):
-                raise SpecDecodeError(f"draft_window must be a positive integer or None, got {draft_window!r}")
+            if draft_window is not None:
+                positive_int("draft_window", draft_window)
             self.draft_model = DraftModel(draft_model, self.vocab_size, draft_window)
         self.eos_ids = self.target.eos_token_ids | self.target.eog_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use

@@ -18,6 +18,7 @@ import copy
 import threading
 
 from .backends import Lockstep, slots as make_slots
+from .checks import positive_int
 from .engine import Engine
 from .errors import SpecDecodeError
 from .host import memory_available
@@ -32,11 +33,9 @@ class Slots:
         split evenly; or, given `context`, as many as hold that many tokens of prompt and output in each slot beside
         its tree-node ids. A cache bigger than the memory available is refused before it is made. Each slot plans on
         the pass costs of `engine` (measured once per machine) as priced beside the others' (BatchPricing)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise SpecDecodeError(f"the number of slots must be a positive integer, got {n!r}")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise SpecDecodeError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
+        positive_int("the number of slots", n)
+        if prefill_chunk is not None:
+            positive_int("prefill_chunk", prefill_chunk)
         if hasattr(engine, "engines"):  # a routing.Router: its requests run one at a time, each on one engine
             raise SpecDecodeError("--route serves one request at a time; drop --parallel or --route")
         if engine.target.batch_error is not None:  # before any cost measurement

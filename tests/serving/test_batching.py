@@ -243,7 +243,7 @@ def test_a_prefill_chunk_given_is_what_slots_read_prompts_in(engine):
     slots = Slots(engine, 2, prefill_chunk=300)
     assert slots.prefill_chunk == 300 and all(e.target.prefill_chunk == 300 for e in slots.engines)
     for bad in (0, -5, 2.5, True, "64"):
-        with pytest.raises(SpecDecodeError, match="prefill_chunk must be a positive number"):
+        with pytest.raises(SpecDecodeError, match="prefill_chunk must be a positive integer"):
             Slots(engine, 2, prefill_chunk=bad)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SpecDecodeError
+from ..errors import SpecDecodeError, positive_int
 
 DATASTORE_MAX_NGRAM = 16  # a datastore is large: a longer match is a far more specific one
 DATASTORE_SEP = 0xFFFFFFFF  # between the documents of a datastore
@@ -128,8 +128,7 @@ class Datastore:
 
     def top_tokens(self, k: int) -> list[int]:
         """The k most frequent token ids (ties: the lower id)."""
-        if not isinstance(k, int) or k <= 0:
-            raise SpecDecodeError(f"the draft vocabulary size must be a positive integer, got {k!r}")
+        positive_int("the draft vocabulary size", k)
         freq = self.frequencies()
         return np.argsort(-freq, kind="stable")[:k].tolist()
 

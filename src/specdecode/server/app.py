@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..checks import positive_int
 from ..errors import SpecDecodeError
 from ..methods import METHOD_TABLE, REQUIRED, get_method, wants_draft_model
 from . import GRACEFUL_SHUTDOWN_S, protocol as p
@@ -225,7 +226,6 @@ async def _crash(request, exc: Exception):
 
 def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s, keepalive_s, api_key) -> None:
     """create_app's arguments, checked before anything starts (a clear SpecDecodeError for each)."""
-    from ..checks import positive_int
     from ..engine import Engine
     Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
     if METHOD_TABLE[method].needs_draft_model == REQUIRED and engine.draft_model is None:
@@ -354,8 +354,7 @@ def check_serve_args(args) -> str | None:
     import os
     if not 0 <= args.port <= 65535:
         raise SpecDecodeError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_queue < 1:
-        raise SpecDecodeError(f"--max-queue must be positive, got {args.max_queue}")
+    positive_int("--max-queue", args.max_queue)
     if not args.timeout > 0 or math.isinf(args.timeout):
         raise SpecDecodeError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2),
