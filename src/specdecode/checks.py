@@ -1,7 +1,7 @@
 """A generation request's arguments, checked without models (Engine.check: front ends call it before
 loading them), a tree's size checked against what the models hold (tree_nodes_cap), before any model work, and
-the positive-integer check every layer uses (positive_int, from errors.py). Torch-free, and so is what check_request imports: the
-command line checks a request before torch loads, and the load test uses positive_int."""
+the positive-integer check every layer uses (positive_int, from errors.py). Torch-free, and so is what
+check_request imports: the command line checks a request before torch loads, and the load test uses positive_int."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
