@@ -25,16 +25,16 @@ def pytest_configure(config):
     global DEFAULT_THREADS
     if config.pluginmanager.hasplugin("dsession"):
         return
+    from specdecode.host import import_frozen
+    # torch and transformers' Qwen2 (tiny.py), which every worker loads, imported as the command imports them: their
+    # millions of lifelong objects frozen, which every full collection walked (a third of a worker's start); the
+    # tests' own garbage is collected as before
+    import_frozen(("torch", "tiny"))
     import torch
-    import tiny  # noqa: F401 - transformers' Qwen2, which every worker loads
     # Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait for a busy core
     # make them many times slower on a shared 2-core machine.
     DEFAULT_THREADS = torch.get_num_threads()
     torch.set_num_threads(1)
-    # torch's and transformers' import leaves millions of objects that live to the end; every full collection
-    # walked them all (a third of a worker's start). Frozen, the collector leaves them out; the tests' own garbage
-    # is collected as before.
-    gc.freeze()
 
 
 def pytest_collection_finish(session):
