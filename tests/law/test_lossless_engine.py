@@ -28,7 +28,8 @@ drafter that prunes drawn nodes by their drawn value), which must be rejected (p
 Wall time. Every generation runs the real engine code: on a 2-core AMD EPYC Zen 3 VM that is 1.1-2.6
 ms of Python and small torch ops per generation (pld 1.1, draft 1.8, auto 1.8, lookup 1.9, tree 2.6;
 one core with the other busy), even with the transformer itself replayed: `ReplayModel` wraps the HF
-model (not CachedLM) and memoises its forward by (the exact bytes of every cached key/value, the fed ids, mask and positions).
+model (not CachedLM) and memoises its forward by (the exact bytes of every cached key/value, the fed ids,
+mask and positions).
 On a hit it returns the stored logits and appends the stored keys/values to the real DynamicCache, so
 CachedLM's own crop/gather rollback still runs on a real cache. The model is deterministic, so a replay
 is bit-identical to a real pass (test_replay_model_is_bit_identical checks logits and cache contents on

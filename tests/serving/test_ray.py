@@ -59,7 +59,8 @@ def test_ray_flags_are_checked(capsys):
     assert main(["serve", "--ray", "--replicas", "2", "--autoscale", "1,2"]) == 2  # both
     assert capsys.readouterr().err.count("specdecode: error: --replicas and --autoscale go with --ray") == 2
     # serve's own settings, checked by the same function before Ray starts
-    for args, match in ((["--max-queue", "0"], "--max-queue must be a positive integer"), (["--gamma", "0"], "--gamma must be"),
+    for args, match in ((["--max-queue", "0"], "--max-queue must be a positive integer"),
+                        (["--gamma", "0"], "--gamma must be"),
                         (["--parallel", "2"], "--parallel is not available inside Ray replicas")):
         assert main(["serve", "--ray", *args]) == 2
         assert match in capsys.readouterr().err

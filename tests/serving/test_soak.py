@@ -29,8 +29,8 @@ def test_short_soak_against_a_launched_server(tiny_pair, tmp_path, monkeypatch, 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     target, draft = tiny_pair
     out = tmp_path / "soak"
-    code = main(["loadtest", "--soak", "0.4", "--requests", "300", "--target", str(target), "--draft", str(draft), "--parallel", "2",
-                 "--concurrency", "4", "--threads", "1", "--max-tokens", "16", "--soak-timeout", "8",
+    code = main(["loadtest", "--soak", "0.4", "--requests", "300", "--target", str(target), "--draft", str(draft),
+                 "--parallel", "2", "--concurrency", "4", "--threads", "1", "--max-tokens", "16", "--soak-timeout", "8",
                  "--soak-long-chars", "300", "--ours-args=--max-tokens 24",
                  "--soak-latency-floor-ms", "1500", "--soak-recheck", "60", "--ready-timeout", "120",
                  "--out", str(out)])
