@@ -1,6 +1,7 @@
-"""`specdecode generate`, `certify`'s arguments, and what the commands that load models share: the backend, lookup
-and tree arguments, and the check that a command's optional packages are installed. The commands of a package
-have their parser there (bench/cli.py, server/cli.py, loadtest/cli.py, drafters/datastore.py); cli.py dispatches.
+"""`specdecode generate`, `apply`'s and `certify`'s arguments, and what the commands that load models share: the
+model, backend, lookup, speculation and sampling arguments, loading the engine, and the check that a command's
+optional packages are installed. The commands of a package have their parser there (bench/cli.py, server/cli.py,
+loadtest/cli.py, drafters/datastore.py); cli.py dispatches.
 No torch here: every command's parser is built before anything loads it."""
 from __future__ import annotations
 
@@ -27,33 +28,88 @@ def require_extra(command: str) -> None:
 
 def add_generate_parser(sub) -> None:
     """`specdecode generate`"""
-    from .methods import DEFAULT_METHOD, help_text, method_names
     g = sub.add_parser("generate", help="generate text from a prompt (streamed), then print stats")
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--prediction", default=None, metavar="FILE",
                    help="a file holding the text the answer is expected to repeat, mostly ('-': stdin), as OpenAI's "
                         "Predicted Outputs: a source of guesses the target verifies, never a forced output")
-    g.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=help_text())
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
-    tree_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    speculation_args(g)
+    sampling_args(g)
     g.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
-    g.add_argument("--target", default=None, help="built-in name, HF directory, .gguf file or hub id "
-                                                  "(default: qwen2.5-coder-1.5b-instruct)")
-    g.add_argument("--draft", default=None, help="draft model, same forms (default with the default target: "
-                                                 "qwen2.5-coder-0.5b-instruct)")
-    g.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
-                   help="default: bf16 where the hardware supports it natively, else fp32")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    backend_args(g)
-    lookup_args(g)
+    model_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.set_defaults(run=generate)
+
+
+def add_apply_parser(sub) -> None:
+    """`specdecode apply` (apply.py)"""
+    a = sub.add_parser("apply", help="edit a file as an instruction says, the file sent as the prediction: print the "
+                                     "unified diff (or write the file with --write), then stats")
+    a.add_argument("file", help="the UTF-8 text file to edit")
+    a.add_argument("instruction", help="what to change, in words ('-' reads it from stdin)")
+    a.add_argument("--write", action="store_true",
+                   help="replace the file (atomically, keeping the old one as FILE.orig) instead of printing the diff")
+    a.add_argument("--compare", action="store_true",
+                   help="also run plain decoding (method autoregressive, no prediction) and print the measured speed-up")
+    a.add_argument("--server", default=None, metavar="URL",
+                   help="send the request to a running `specdecode serve` (e.g. http://127.0.0.1:8000) through "
+                        "/v1/chat/completions instead of loading a model here")
+    a.add_argument("--model", default=None, help="with --server: the model id to ask for (default: the server's)")
+    a.add_argument("--api-key", default=None, help="with --server: the bearer key (default: $SPECDECODE_API_KEY)")
+    speculation_args(a)
+    sampling_args(a, max_new_tokens=None, help="at most this many tokens in the answer (default: the file's tokens "
+                                               "x 1.5 + 64, within the context; with --server: the server's default)")
+    model_args(a)
+    a.set_defaults(run=_apply)
+
+
+def _apply(args) -> int:
+    from .apply import apply_command
+    return apply_command(args)
+
+
+def speculation_args(parser) -> None:
+    """--method, --gamma and the tree's dimensions: how a command's generations speculate."""
+    from .methods import DEFAULT_METHOD, help_text, method_names
+    parser.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=help_text())
+    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
+    tree_args(parser)
+
+
+def sampling_args(parser, max_new_tokens: int | None = 128, help: str | None = None) -> None:
+    """--max-new-tokens, --temperature, --top-k, --top-p, --seed."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=help)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def model_args(parser) -> None:
+    """The models a command loads and how: --target, --draft, --dtype, --device, the backend and lookup arguments."""
+    parser.add_argument("--target", default=None, help="built-in name, HF directory, .gguf file or hub id "
+                                                       "(default: qwen2.5-coder-1.5b-instruct)")
+    parser.add_argument("--draft", default=None, help="draft model, same forms (default with the default target: "
+                                                      "qwen2.5-coder-0.5b-instruct)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
+                        help="default: bf16 where the hardware supports it natively, else fp32")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    backend_args(parser)
+    lookup_args(parser)
+
+
+def load_engine(args, methods: list[str], progress: bool = True):
+    """The Engine (or the Router, with --route) that model_args describe, with a draft model where one of `methods`
+    can use it. Loads torch and the models: seconds to a minute."""
+    import_frozen(MODEL_IMPORTS)
+    from .methods import wants_draft_model
+    from .routing import loader
+    return loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
+                              threads=args.threads, with_draft=wants_draft_model(methods), progress=progress,
+                              draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                              draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None,
+                              exact=args.exact, datastore=args.datastore)
 
 
 def add_certify_parser(sub) -> None:
@@ -136,7 +192,6 @@ def generate(args) -> None:
     """The Engine's checks judge the arguments (SpecDecodeError: exit 2 with its message), before torch and the
     models load (seconds to a minute)."""
     from .checks import check_request
-    from .methods import wants_draft_model
     if args.prompt == "-" and args.prediction == "-":
         raise SpecDecodeError("the prompt and --prediction cannot both be read from stdin")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -148,12 +203,7 @@ def generate(args) -> None:
             raise SpecDecodeError(f"--prediction: cannot read {args.prediction}: {e}") from None
     check_request(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **tree_kwargs(args))
-    import_frozen(MODEL_IMPORTS)
-    from .routing import loader
-    engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, with_draft=wants_draft_model([args.method]), progress=not args.json,
-                         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore)
+    engine = load_engine(args, [args.method], progress=not args.json)
     stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                            stop=args.stop, chat=args.chat, prediction=prediction, **tree_kwargs(args))
@@ -178,7 +228,7 @@ def generate(args) -> None:
                      f"accepted {s.accepted}/{s.drafted} ({rate}) | "
                      f"tokens per target forward {s.mean_accepted_tokens or 0:.2f} | "
                      f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s | finish: {s.finish_reason} | backend {engine.backend}\n")
-    if prediction is not None:
-        src = s.sources.get("prediction", {"drafted": 0, "accepted": 0})
-        sys.stderr.write(f"prediction: {src['accepted']} tokens accepted, {src['drafted'] - src['accepted']} rejected\n")
+    if prediction is not None:  # OpenAI's usage fields (specdecode.prediction), as the server reports them
+        sys.stderr.write(f"prediction: {s.accepted_prediction_tokens} tokens accepted, "
+                         f"{s.rejected_prediction_tokens} rejected\n")
 
