@@ -51,10 +51,16 @@ class Stats:
 
     def __post_init__(self):
         # per target pass: [tokens it emitted, how many of them were accepted draft tokens (its first ones),
-        # the sources of those]; not a field, so not in as_dict: what truncate() needs to take back
-        # tokens cut at a stop string
+        # the sources of those, tokens it drafted]; not a field, so not in as_dict: what truncate() needs to take
+        # back tokens cut at a stop string, and where each emitted token came from (`passes`)
         self._passes: list[list] = []
         self._plain_weighted = 0.0  # sum over planned passes of expected tokens x the plain step's seconds there
+
+    @property
+    def passes(self) -> list[list]:
+        """Per target pass so far (the prefill's first token is the first): [tokens emitted, accepted draft tokens
+        (the first emitted ones), their sources, tokens drafted]. Read only."""
+        return self._passes
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -101,7 +107,8 @@ class Stats:
             self.sources.setdefault(s, {"drafted": 0, "accepted": 0})["drafted"] += 1
         for i in path:
             self.sources[sources[i]]["accepted"] += 1
-        self._passes.append([accepted + 1 if emitted is None else emitted, accepted, [sources[i] for i in path]])
+        self._passes.append([accepted + 1 if emitted is None else emitted, accepted, [sources[i] for i in path],
+                             len(draft.tokens)])
         self.target_forwards += 1
         self.drafted += len(draft.tokens)
         self.accepted += accepted
@@ -133,13 +140,13 @@ class Stats:
         `accepted_per_position`). Drafted tokens and target passes stay: they were verified."""
         start = 0
         for p in self._passes:
-            emitted, accepted, sources = p
+            emitted, accepted, sources, drafted = p
             kept = min(accepted, max(0, new_tokens - start))  # accepted draft tokens come first in a pass
             for i in range(kept, accepted):
                 self.accepted_per_position[i] -= 1
                 self.sources[sources[i]]["accepted"] -= 1
             self.accepted -= accepted - kept
-            p[:] = [min(emitted, max(0, new_tokens - start)), kept, sources[:kept]]
+            p[:] = [min(emitted, max(0, new_tokens - start)), kept, sources[:kept], drafted]
             start += emitted
         self.new_tokens = new_tokens
 

@@ -7,6 +7,8 @@ import ipaddress
 import logging
 import math
 from contextlib import asynccontextmanager
+from html import escape
+from pathlib import Path
 
 import anyio
 import jinja2
@@ -14,7 +16,8 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
+from fastapi.responses import HTMLResponse, Response
+from fastapi.staticfiles import StaticFiles
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,6 +35,7 @@ from .service import Service, error_response, json_response
 
 log = logging.getLogger("specdecode.server")
 
+STATIC = Path(__file__).parent / "static"  # the web page at GET /: HTML, CSS and JavaScript modules, no build step
 MAX_BODY_BYTES = 8 << 20  # request bodies beyond this get a 413 before they are read
 KEEPALIVE_S = 10.0  # seconds between ": keep-alive" comments while a streamed request is silent (queued, reading)
 
@@ -41,7 +45,7 @@ class Gate:
     themselves, BearerKey: under a path prefix only routing knows which route a path is.)"""
 
     ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/openapi.json",
-              "/docs"}
+              "/docs", "/"}
 
     def __init__(self, app, metrics: Metrics, max_body_bytes: int | None = None):
         self.app, self.metrics, self.max_body = app, metrics, max_body_bytes
@@ -65,7 +69,7 @@ class Gate:
                 await self.app(scope, receive if self.max_body is None else self._limited(receive), send_status)
         finally:
             route = path if path in self.ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
-                                                      else "other")
+                                                      else "/static" if path.startswith("/static/") else "other")
             self.metrics.requests.labels(route=route, status=str(status[0])).inc()
 
     def _limited(self, receive):
@@ -195,6 +199,20 @@ def _add_routes(app: FastAPI, service: Service, api_key: str | None) -> None:
     app.include_router(v1)
 
 
+async def page(request: Request):
+    """The web page. Its URLs are relative to a <base> at the app's root, so that it works under a path prefix (a
+    Mount, uvicorn's --root-path) whether or not the address ends in a slash. It holds no data, so it needs no
+    key: the page asks for one when /v1 answers 401."""
+    root = escape(request.scope.get("root_path", "").rstrip("/"), quote=True)
+    html = (STATIC / "index.html").read_text(encoding="utf-8").replace('<base href="./">', f'<base href="{root}/">', 1)
+    return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
+
+
+def _add_page(app: FastAPI) -> None:
+    app.add_api_route("/", page, methods=["GET"], include_in_schema=False)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+
 def _check_text(texts: list[str], param: str) -> None:
     """A 400 for a lone UTF-16 surrogate (JSON's "\\ud800"): it is no character, and no tokenizer takes it."""
     for text in texts:
@@ -286,6 +304,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _crash)
     _add_routes(app, service, api_key)
+    _add_page(app)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -51,6 +51,8 @@ class Speculation(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool | None = Field(None, description="send a last chunk with `usage` and no choices")
+    include_sources: bool | None = Field(None, description="specdecode extension: each chunk's choice carries "
+                                         "`sources`, one entry per token of its text (where it came from)")
 
 
 class TextPart(BaseModel):
@@ -238,11 +240,29 @@ class ChatCompletionResponse(BaseModel):
     speculation: dict[str, Any] = Field(description=SPECULATION_DOC)
 
 
+class TokenSource(BaseModel):
+    """specdecode extension (stream_options.include_sources): one token of a chunk's text and where it came from.
+    The entries' texts add up to the chunk's text; a token whose text two chunks share has an entry in each (the
+    same `token`), and one with no text of its own (the end of text, a character's first bytes) an empty one."""
+    token: int = Field(description="the token's place in the answer, from 0")
+    text: str = Field(description="its part of this chunk's text")
+    source: str = Field(description="target (the target's own token at its step), draft (the draft model), "
+                        "prediction, context (a copy of the prompt or the answer so far), history, datastore, lookup "
+                        "(an earlier output, where the server does not say which)")
+    step: int = Field(description="the target pass that emitted it, from 1 (the prompt's read)")
+    drafted: int = Field(description="guesses that pass verified beside its root token")
+    accepted: int = Field(description="of them, accepted")
+
+
+SOURCES_DOC = "specdecode extension, with stream_options.include_sources: where each token of the text came from"
+
+
 class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: None = None
     finish_reason: FinishReason | None = None
+    sources: list[TokenSource] | None = Field(**OMIT, description=SOURCES_DOC)
 
 
 class CompletionChunk(BaseModel):
@@ -266,6 +286,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: None = None
     finish_reason: FinishReason | None = None
+    sources: list[TokenSource] | None = Field(**OMIT, description=SOURCES_DOC)
 
 
 class ChatCompletionChunk(BaseModel):

@@ -29,6 +29,7 @@ from ..errors import SpecDecodeError
 from .affinity import slot_for
 from .metrics import Metrics
 from .protocol import APIError, engine_error
+from .provenance import Provenance
 
 log = logging.getLogger("specdecode.server")
 
@@ -107,6 +108,9 @@ class Job:
         self.ended = False  # its end or error was pushed
         self.arrival = time.monotonic()
         self.deadline = self.arrival + timeout_s
+        # where the client asked for each token's source: the name it may see for each source (provenance.py); its
+        # deltas are then (text, entries)
+        self.sources: Callable[[str], str] | None = None
 
     def interrupted(self) -> bool:
         """Whether the running generation must end now: its client is gone, or its deadline passed."""
@@ -360,6 +364,7 @@ class Worker:
             return
         parts: list[str] = []
         job.stream.interrupt = job.interrupted  # checked by the stream after every step
+        track = None if job.sources is None else Provenance(job.stream, job.sources)
         with lock:
             gen = iter(job.stream)
             try:
@@ -367,7 +372,7 @@ class Worker:
                     if not parts:
                         self.metrics.ttft.observe(time.monotonic() - job.arrival)
                     parts.append(delta)
-                    job.push(("delta", delta))
+                    job.push(("delta", delta if track is None else (delta, track.take(delta))))
                     if job.interrupted():
                         break
             except SpecDecodeError as e:  # the prompt against a slot's context, a failed pass, a full cache
@@ -392,6 +397,9 @@ class Worker:
         spec["queue_s"] = start - job.arrival
         result = job.stream.result
         free()
+        rest = [] if track is None else track.rest()  # tokens with no text sent (the end of text): theirs too
+        if rest:
+            job.push(("delta", ("", rest)))
         job.push(("end", End(text=result.text if result is not None else "".join(parts),
                              finish_reason="length" if finish in ("length", "timeout") else "stop",
                              prompt_tokens=stats.prompt_tokens, completion_tokens=stats.new_tokens,

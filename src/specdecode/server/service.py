@@ -99,6 +99,8 @@ class Service:
         self._check_length(prompt, "messages" if endpoint == "chat" else "prompt")
         job = Job(await self.open(body, endpoint, prompt, self._history(request), self._scope(request)), endpoint,
                   self.timeout_s)
+        if body.stream and body.stream_options and body.stream_options.include_sources:
+            job.sources = self._public_source
         self._admit(job)
         if body.stream:
             return EventStream(self.events(job, body, endpoint), self.worker, job)
@@ -155,6 +157,11 @@ class Service:
         """Whose request this is: a hash of the API key it sends (whether or not the server asks for one). Its output
         history and the prompt cache serve that key only: one client's text never speeds up another's."""
         return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()
+
+    def _public_source(self, source: str) -> str:
+        """A token's source as a client may see it: a copy of an earlier output is "lookup" unless the operator shows
+        sources (it tells of other outputs, as `speculation.sources` does)."""
+        return source if self.show_sources or source != "history" else "lookup"
 
     def _speculation(self, spec: dict) -> dict:
         return spec if self.show_sources else {k: v for k, v in spec.items() if k != "sources"}
@@ -231,13 +238,14 @@ class Service:
                     model=self.model_id)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(text: str | None = None, finish: str | None = None, **extra) -> BaseModel:
+        def chunk(text: str | None = None, finish: str | None = None, sources: list | None = None,
+                  **extra) -> BaseModel:
             if chat:
                 delta = p.ChatDelta() if text is None else p.ChatDelta(content=text)
-                return p.ChatCompletionChunk(**head, **extra,
-                                             choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish)])
-            return p.CompletionChunk(**head, **extra,
-                                     choices=[p.CompletionChunkChoice(text=text or "", finish_reason=finish)])
+                return p.ChatCompletionChunk(**head, **extra, choices=[
+                    p.ChatChunkChoice(delta=delta, finish_reason=finish, sources=sources)])
+            return p.CompletionChunk(**head, **extra, choices=[
+                p.CompletionChunkChoice(text=text or "", finish_reason=finish, sources=sources)])
 
         if chat:
             yield p.sse(p.ChatCompletionChunk(**head, choices=[
@@ -246,8 +254,8 @@ class Service:
             async for kind, value in self.worker.events(job, keepalive_s=self.keepalive_s):
                 if kind == "wait":
                     yield p.SSE_KEEPALIVE
-                elif kind == "delta":
-                    yield p.sse(chunk(value))
+                elif kind == "delta":  # (text, per-token entries) where the request asked for sources
+                    yield p.sse(chunk(value) if isinstance(value, str) else chunk(value[0], sources=value[1]))
                 elif kind == "end":
                     usage = p.Usage.of(value.prompt_tokens, value.completion_tokens, value.speculation)
                     yield p.sse(chunk(None, value.finish_reason, usage=usage,
