@@ -20,8 +20,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser_adders() -> list:
     """Each command's add_parser, in --help's order (loadtest's reads serve's options: it comes after)."""
+    from .apply.cli import add_parser as apply
     from .bench.cli import add_parser as bench
-    from .commands import add_apply_parser as apply, add_certify_parser as certify, add_generate_parser as generate
+    from .commands import add_certify_parser as certify, add_generate_parser as generate
     from .drafters.datastore import add_index_parser as index
     from .loadtest.cli import add_parser as loadtest
     from .server.cli import add_parser as serve

@@ -1,7 +1,7 @@
-"""`specdecode generate`, `apply`'s and `certify`'s arguments, and what the commands that load models share: the
+"""`specdecode generate`, `certify`'s arguments, and what the commands that load models share: the
 model, backend, lookup, speculation and sampling arguments, loading the engine, and the check that a command's
 optional packages are installed. The commands of a package have their parser there (bench/cli.py, server/cli.py,
-loadtest/cli.py, drafters/datastore.py); cli.py dispatches.
+loadtest/cli.py, apply/cli.py, drafters/datastore.py); cli.py dispatches.
 No torch here: every command's parser is built before anything loads it."""
 from __future__ import annotations
 
@@ -40,33 +40,6 @@ def add_generate_parser(sub) -> None:
     model_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.set_defaults(run=generate)
-
-
-def add_apply_parser(sub) -> None:
-    """`specdecode apply` (apply.py)"""
-    a = sub.add_parser("apply", help="edit a file as an instruction says, the file sent as the prediction: print the "
-                                     "unified diff (or write the file with --write), then stats")
-    a.add_argument("file", help="the UTF-8 text file to edit")
-    a.add_argument("instruction", help="what to change, in words ('-' reads it from stdin)")
-    a.add_argument("--write", action="store_true",
-                   help="replace the file (atomically, keeping the old one as FILE.orig) instead of printing the diff")
-    a.add_argument("--compare", action="store_true",
-                   help="also run plain decoding (method autoregressive, no prediction) and print the measured speed-up")
-    a.add_argument("--server", default=None, metavar="URL",
-                   help="send the request to a running `specdecode serve` (e.g. http://127.0.0.1:8000) through "
-                        "/v1/chat/completions instead of loading a model here")
-    a.add_argument("--model", default=None, help="with --server: the model id to ask for (default: the server's)")
-    a.add_argument("--api-key", default=None, help="with --server: the bearer key (default: $SPECDECODE_API_KEY)")
-    speculation_args(a)
-    sampling_args(a, max_new_tokens=None, help="at most this many tokens in the answer (default: the file's tokens "
-                                               "x 1.5 + 64, within the context; with --server: the server's default)")
-    model_args(a)
-    a.set_defaults(run=_apply)
-
-
-def _apply(args) -> int:
-    from .apply import apply_command
-    return apply_command(args)
 
 
 def speculation_args(parser) -> None:

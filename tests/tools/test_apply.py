@@ -6,8 +6,9 @@ import stat
 
 import pytest
 
-from specdecode.apply import (NoCodeBlock, Reply, Source, answer_budget, build_request, extract_block, fence_for,
-                              match_final_newline, read_source, stats_line, unified_diff, write_atomically)
+from specdecode.apply.cli import Reply, stats_line
+from specdecode.apply.text import (NoCodeBlock, Source, answer_budget, build_request, extract_block, fence_for,
+                                   match_final_newline, read_source, unified_diff, write_atomically)
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 

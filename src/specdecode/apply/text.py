@@ -1,20 +1,17 @@
-"""`specdecode apply FILE INSTRUCTION`: a local "fast apply". The file goes into a chat prompt that asks for the whole
-updated file in one code block, and the same block, unchanged, is the prediction (Predicted Outputs): the lines the
-edit keeps are verified many tokens a pass. The answer's code block is the new file, shown as a unified diff or
-written in place. No torch here: the engine loads in commands.load_engine; with --server, apply_client.py asks a
-running `specdecode serve`."""
+"""What `specdecode apply` does to text: the request (the file in a chat prompt that asks for the whole updated file
+in one code block, and that block as the prediction), the new file taken from the answer's code block, the unified
+diff, and the file replaced in place with a backup. Plain functions of strings and files, no model."""
 from __future__ import annotations
 
 import difflib
 import os
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SpecDecodeError
+from ..errors import SpecDecodeError
 
 LANGUAGES = {".py": "python", ".js": "javascript", ".ts": "typescript", ".tsx": "tsx", ".jsx": "jsx", ".rs": "rust",
              ".go": "go", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".hpp": "cpp", ".java": "java",
@@ -160,25 +157,6 @@ def write_atomically(source: Source, text: str) -> Path:
     return backup
 
 
-@dataclass
-class Reply:
-    """One answer, from the local engine or a server: its text, why it ended, its stats (Stats.as_dict(), as the
-    server's `speculation` field holds them) and the prediction's accepted and rejected tokens."""
-    text: str
-    finish: str | None
-    stats: dict
-    accepted: int = 0
-    rejected: int = 0
-
-
-def reply_of(answer: dict) -> Reply:
-    """A server's chat completion (JSON) as a Reply: the usage's prediction tokens, the `speculation` stats."""
-    choice = answer["choices"][0]
-    details = (answer.get("usage") or {}).get("completion_tokens_details") or {}
-    return Reply(choice["message"].get("content") or "", choice.get("finish_reason"), answer.get("speculation") or {},
-                 details.get("accepted_prediction_tokens") or 0, details.get("rejected_prediction_tokens") or 0)
-
-
 def answer_budget(file_tokens: int, prompt_tokens: int, context: int) -> int:
     """The default max_new_tokens: room for the file once and a half and a margin, within the context."""
     room = context - prompt_tokens
@@ -186,90 +164,3 @@ def answer_budget(file_tokens: int, prompt_tokens: int, context: int) -> int:
         raise SpecDecodeError(f"the prompt (the file and the instruction) has {prompt_tokens} tokens; the model's "
                               f"context holds {context}, so no answer fits")
     return min(room, file_tokens * 3 // 2 + ANSWER_MARGIN)
-
-
-def stats_line(reply: Reply, plain: Reply | None, where: str, greedy: bool = True) -> str:
-    """One line: tokens, seconds, decode speed, the prediction's tokens, and plain decoding's speed beside it (measured
-    with --compare, else the cost model's seconds of a plain step where the method planned with it)."""
-    s = reply.stats
-    rate = s.get("decode_tokens_per_second")
-    parts = [f"apply: {s.get('new_tokens', 0)} tokens in {s.get('wall_s', 0.0):.2f}s "
-             f"(first after {s.get('ttft_s') or 0.0:.2f}s), decode {_rate(rate)}",
-             f"prediction: {reply.accepted} tokens accepted, {reply.rejected} rejected"]
-    if plain is not None:
-        base = plain.stats.get("decode_tokens_per_second")
-        same = "" if not greedy else ", same answer" if plain.text == reply.text else ", its answer differs (a near-tie)"
-        parts.append(f"plain decoding {_rate(base)} (measured{same}): {_ratio(rate, base)}")
-    elif s.get("plain_step_s"):
-        base = 1.0 / s["plain_step_s"]
-        parts.append(f"plain decoding ~{base:.2f} tok/s (the cost model's): ~{_ratio(rate, base)}")
-    else:
-        parts.append("plain decoding: --compare measures it")
-    return " | ".join(parts + [where])
-
-
-def _rate(rate: float | None) -> str:
-    return "n/a" if rate is None else f"{rate:.2f} tok/s"
-
-
-def _ratio(rate: float | None, base: float | None) -> str:
-    return "n/a" if not rate or not base else f"{rate / base:.2f}x"
-
-
-def run_local(args, messages: list[dict], prediction: str) -> tuple[Reply, Reply | None, str]:
-    """The answer (and plain decoding's, with --compare) from an engine loaded here, and where it ran."""
-    from .commands import load_engine, tree_kwargs
-    engine = load_engine(args, [args.method])
-    budget = args.max_new_tokens
-    if budget is None:
-        budget = answer_budget(len(engine.encode_prediction(prediction) or ()), len(engine.encode(messages)),
-                               engine.target.max_length)
-    sampling = dict(max_new_tokens=budget, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed)
-    out = engine.generate(messages, method=args.method, gamma=args.gamma, prediction=prediction,
-                          **tree_kwargs(args), **sampling)
-    src = out.stats.sources.get("prediction", {"drafted": 0, "accepted": 0})
-    reply = Reply(out.text, out.stats.finish_reason, out.stats.as_dict(), src["accepted"],
-                  src["drafted"] - src["accepted"])
-    plain = None
-    if args.compare:
-        p = engine.generate(messages, method="autoregressive", **sampling)
-        plain = Reply(p.text, p.stats.finish_reason, p.stats.as_dict())
-    return reply, plain, f"backend {out.stats.engine or engine.backend}"
-
-
-def apply_command(args) -> int:
-    """Exit status 0: the diff printed (nothing where the answer changes nothing) or the file written; 1: the answer
-    held no usable code block (the file is left alone); 2 (SpecDecodeError): bad input."""
-    from .checks import check_request
-    from .commands import tree_kwargs
-    instruction = sys.stdin.read() if args.instruction == "-" else args.instruction
-    if not instruction.strip():
-        raise SpecDecodeError("the instruction is empty")
-    source = read_source(args.file)
-    check_request(method=args.method, gamma=args.gamma,
-                  max_new_tokens=1 if args.max_new_tokens is None else args.max_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, **tree_kwargs(args))
-    messages, prediction = build_request(source, instruction)
-    if args.server is None:
-        reply, plain, where = run_local(args, messages, prediction)
-    else:
-        from .apply_client import ask
-        answer, plain_answer, where = ask(args, messages, prediction)
-        reply, plain = reply_of(answer), None if plain_answer is None else reply_of(plain_answer)
-    sys.stderr.write(stats_line(reply, plain, where, greedy=args.temperature == 0) + "\n")
-    try:
-        new = match_final_newline(extract_block(reply.text), source.text)
-    except NoCodeBlock as e:
-        ended = "the token limit (--max-new-tokens)" if reply.finish == "length" else "the model's end of text"
-        sys.stderr.write(f"specdecode: error: {e}; the answer ended at {ended} after {len(reply.text)} characters, "
-                         f"beginning {reply.text[:160]!r}; {source.path} is unchanged\n")
-        return 1
-    if new == source.text:
-        sys.stderr.write(f"apply: the answer leaves {source.path} as it is\n")
-    elif args.write:
-        backup = write_atomically(source, new)
-        sys.stderr.write(f"apply: wrote {source.path} (the old file: {backup})\n")
-    else:
-        sys.stdout.write(unified_diff(source.text, new, source.path.as_posix().lstrip("/")))
-    return 0

@@ -7,7 +7,7 @@ import os
 import urllib.error
 import urllib.request
 
-from .errors import SpecDecodeError
+from ..errors import SpecDecodeError
 
 TIMEOUT_S = 3600.0  # a whole file's answer on a CPU can take minutes; the server ends what runs past its own limit
 LOCAL_ONLY = ("target", "draft", "dtype", "device", "datastore", "draft_vocab", "draft_vocab_from", "threads")
