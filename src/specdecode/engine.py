@@ -198,10 +198,13 @@ class Engine:
         with tokenizer_lock(self.tokenizer):  # a server's handlers encode on their own copy (separate_encoder)
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def encode_prediction(self, prediction: str | None) -> tuple | None:
-        """A predicted output as the tokens it drafts from (no special tokens: it continues the prompt)."""
+    def encode_prediction(self, prediction: str | tuple | None) -> tuple | None:
+        """A predicted output as the tokens it drafts from (no special tokens: it continues the prompt); a tuple of
+        token ids is what this returned already (a request tokenized once, opened again on another engine)."""
         if prediction is None:
             return None
+        if isinstance(prediction, tuple) and all(isinstance(t, int) for t in prediction):
+            return prediction or None
         if not isinstance(prediction, str):
             raise SpecDecodeError(f"prediction must be a string, got {type(prediction).__name__}")
         if not prediction:
@@ -235,10 +238,11 @@ class Engine:
         history: the History this generation drafts from and adds its output to (default: the Engine's own).
         cache_scope: with the Engine's prompt_cache, whose text this is (the server: an API key's hash): the
         prompt reuses the target's cache only after a generation of the same scope; never in exact mode.
-        prediction: the text the output is expected to be, mostly (OpenAI's Predicted Outputs: an edited file): a
-        source of guesses the target verifies like any other, never a forced output. The methods that draft from
-        lookup sources (auto, lookup, tree) and pld follow it through the output's edits (drafters/copy.py);
-        stats.sources["prediction"] counts its drafted and accepted tokens."""
+        prediction: the text the output is expected to be, mostly (OpenAI's Predicted Outputs: an edited file), or
+        its tokens (encode_prediction's tuple): a source of guesses the target verifies like any other, never a
+        forced output. The methods that draft from lookup sources (auto, lookup, tree) and pld follow it through
+        the output's edits (drafters/copy.py); stats.sources["prediction"] counts its drafted and accepted tokens,
+        stats.accepted/rejected_prediction_tokens OpenAI's usage fields (prediction.py), counted at the end."""
         params = self.check(method=method, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_k=top_k, top_p=top_p, stop=stop, tree_width=tree_width, tree_depth=tree_depth,
                             tree_nodes=tree_nodes)
@@ -267,6 +271,7 @@ class Engine:
         out = TextStream(self, self._surrounded(steps, request.history, limits, scope), stats,
                          [stop] if isinstance(stop, str) else list(stop or []), interrupt)
         out.prompt_ids, out.cache_scope = prompt_ids, scope  # where a server runs it: a slot that holds its start
+        out.prediction_ids = request.prediction_ids  # tokenized once: a slot's or a router's stream reuses them
         return out
 
     def _stop_ids(self, stop) -> set[int]:

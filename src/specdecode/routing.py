@@ -160,6 +160,8 @@ class Router:
         if not pinned and len(self.engines) > 1:
             prompt_ids = self.primary.encode(prompt, kwargs.get("chat", False))
             prediction = self.primary.encode_prediction(kwargs.get("prediction"))
+            if prediction:  # the engine chosen drafts from these tokens: the text is tokenized once
+                kwargs["prediction"] = prediction
             cap = kwargs.get("max_new_tokens", 128)
             drafts = METHOD_TABLE[method].drafts and bool(prediction)
             new = min(cap, len(prediction)) if prediction else min(cap, DEFAULT_NEW)

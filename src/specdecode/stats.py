@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .drafters import Draft
+from .prediction import prediction_usage
 
 
 def decode_rate(new_tokens: int, wall_s: float, ttft_s: float | None, first_tokens: int = 1) -> float | None:
@@ -39,6 +40,10 @@ class Stats:
     strategies: dict = field(default_factory=dict)  # target passes by what ran: plain, lookup, draft, tree
     sources: dict = field(default_factory=dict)  # source -> {"drafted": n, "accepted": n}: draft, context, history, datastore
     lookup_sources: list = field(default_factory=list)  # the lookup sources this generation drew from
+    # OpenAI's usage fields for a prediction (prediction.py): its tokens the output holds along their best alignment,
+    # and those it does not (of those the output could reach); counted when the generation ends, 0 without one
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float | None = None  # seconds from the start of the stream to the first emitted token (prefill included)
@@ -133,6 +138,12 @@ class Stats:
         for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
+
+    def count_prediction(self, prediction: tuple, output: list[int]) -> None:
+        """The prediction's usage fields against the generation's final output (after any stop string's cut): the
+        whole prediction where the output ended on its own, as far as it could reach where it was cut."""
+        self.accepted_prediction_tokens, self.rejected_prediction_tokens = prediction_usage(
+            prediction, output, finished=self.finish_reason in ("eos", "stop"))
 
     def truncate(self, new_tokens: int) -> None:
         """The output was cut to its first new_tokens tokens (a stop string ended it): accepted draft

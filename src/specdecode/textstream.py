@@ -35,6 +35,7 @@ class TextStream:
         interrupt: the prefill.Interrupt those steps ask between the prompt's passes (they raise Interrupted)."""
         self.engine, self.steps, self.stats, self.stops = engine, steps, stats, stops
         self.result: Generation | None = None
+        self.prediction_ids: tuple | None = None  # the client's prediction: its usage fields are counted at the end
         self._interrupt = interrupt if interrupt is not None else Interrupt()
 
     @property
@@ -106,6 +107,8 @@ class TextStream:
         text = decode(ids) if stats.finish_reason != "stop" and not interrupted else sent
         if len(text) > len(sent) and text.startswith(sent):
             yield text[len(sent):]
+        if self.prediction_ids:
+            stats.count_prediction(self.prediction_ids, ids)
         self.result = Generation(text, ids, stats)
 
 

@@ -58,6 +58,18 @@ def test_each_request_runs_whole_on_the_chosen_engine(router):
     assert short.token_ids == router.engines["steep"].generate("hi", max_new_tokens=20).token_ids
 
 
+def test_the_prediction_is_tokenized_once(router, monkeypatch):
+    """The router tokenizes it to price the request; the engine it chooses drafts from those tokens."""
+    texts = []
+    for e in router.engines.values():
+        encode = e.encode_prediction
+        monkeypatch.setattr(e, "encode_prediction",
+                            lambda x, encode=encode: (texts.append(x) if isinstance(x, str) else None) or encode(x))
+    old = "def add(a, b):\n    return a + b\n"
+    stream = router.stream("Rename add to plus:\n" + old, max_new_tokens=4, prediction=old)
+    assert texts == [old] and len(stream.prediction_ids) == len(old)  # one character a token
+
+
 def test_exact_mode_and_draft_model_methods_stay_on_the_first_engine(router, monkeypatch):
     old = "x = 1\n" * 20
     assert router.generate(old, method="draft", max_new_tokens=10, prediction=old).stats.engine == "steep"

@@ -23,6 +23,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from .ngram_index import NgramIndex
+
 SYNC_MIN = 3  # output tokens that must match the reference to (re)align on it
 SYNC_RUN_MAX = 64  # how far back a candidate alignment's common run is measured
 SYNC_CANDIDATES = 64  # occurrences of the last SYNC_MIN tokens compared per re-synchronisation, nearest first
@@ -61,10 +63,8 @@ class Alignment:
         self._by_first: dict[int, list[tuple]] = {}  # their reference spans by first token, longest first
         self.pending: list[int] = []  # the rest of a substitution the output is expected to write now
         self._pending_end = 0  # where the reference goes on after it
-        self._index: dict[tuple, list[int]] = {}  # SYNC_MIN-gram -> positions just after its occurrences, ascending
-        ref = self.reference
-        for end in range(SYNC_MIN, len(ref) + 1):
-            self._index.setdefault(tuple(ref[end - SYNC_MIN:end]), []).append(end)
+        # SYNC_MIN-gram -> positions just after its occurrences, ascending: 12 bytes a reference token (ngram_index.py)
+        self._index = NgramIndex(self.reference, SYNC_MIN)
 
     def follow(self, ids: list[int]) -> None:
         """Bring the alignment up to date with the output ids[start:]."""

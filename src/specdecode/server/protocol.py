@@ -170,9 +170,11 @@ class ErrorBody(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
-    """OpenAI's breakdown. accepted_prediction_tokens: tokens of the prediction that were drafted and kept;
-    rejected_prediction_tokens: drafted and rejected by the target (billed as output by OpenAI; here they only
-    cost verification time)."""
+    """OpenAI's breakdown (specdecode.prediction says how they are counted). accepted_prediction_tokens: tokens of
+    the prediction that appear in the completion, along the alignment of the two that keeps the most of it (their
+    longest common subsequence); rejected_prediction_tokens: tokens of the prediction that do not appear in it (the
+    whole prediction where the answer ended on its own; where max_tokens cut it, as far as it could have reached).
+    OpenAI bills rejected tokens as output; here completion_tokens counts the answer's tokens alone."""
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     reasoning_tokens: int = 0
@@ -187,11 +189,10 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, speculation: dict | None = None) -> "Usage":
-        """speculation: the generation's Stats.as_dict(), whose "prediction" source gives the details."""
-        src = ((speculation or {}).get("sources") or {}).get("prediction") or {}
-        accepted = src.get("accepted", 0)
-        details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
-                                          rejected_prediction_tokens=src.get("drafted", 0) - accepted)
+        """speculation: the generation's Stats.as_dict(), which holds the prediction's counts (0 without one)."""
+        spec = speculation or {}
+        details = CompletionTokensDetails(accepted_prediction_tokens=spec.get("accepted_prediction_tokens", 0),
+                                          rejected_prediction_tokens=spec.get("rejected_prediction_tokens", 0))
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
 

@@ -97,6 +97,8 @@ class Service:
             raise refused
         self._admit()  # before the expensive work: tokenizing
         self._check_length(prompt, "messages" if endpoint == "chat" else "prompt")
+        if body.prediction is not None:
+            self._check_prediction(body.prediction.text())
         job = Job(await self.open(body, endpoint, prompt, self._history(request), self._scope(request)), endpoint,
                   self.timeout_s)
         if body.stream and body.stream_options and body.stream_options.include_sources:
@@ -139,6 +141,20 @@ class Service:
             raise APIError(400, f"the prompt has {chars} characters, more than the {self.context} tokens of the "
                                 "model's context can hold, so no token can be generated", param=param,
                            code="context_length_exceeded")
+
+    def _check_prediction(self, text: str) -> None:
+        """Before tokenizing: a prediction that is no text (a lone UTF-16 surrogate) or that has more characters than
+        the context's tokens could cover is refused (open() checks its tokens against the context)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"the prediction holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at "
+                                f"character {e.start}), which is not text; send UTF-8 text or a surrogate pair",
+                           param="prediction", code="invalid_value") from None
+        most = None if self.token_chars is None else (2 if self.normalized else 1) * self.token_chars * self.context
+        if most is not None and len(text) > most:
+            raise APIError(400, f"the prediction has {len(text)} characters, more than the {self.context} tokens of "
+                                "the model's context can hold", param="prediction", code="context_length_exceeded")
 
     def _history(self, request: Request) -> History | None:
         """The output history of the request's API key (the bearer token it sends, whether or not the server asks
@@ -188,6 +204,12 @@ class Service:
             stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs, limiter=self._tokenizing)
         except SpecDecodeError as e:
             raise p.engine_error(e, param) from None
+        predicted = getattr(stream, "prediction_ids", None)
+        if predicted is not None:
+            if len(predicted) > self.context:
+                raise APIError(400, f"the prediction has {len(predicted)} tokens; the model's context holds "
+                                    f"{self.context}", param="prediction", code="context_length_exceeded")
+            kwargs["prediction"] = predicted  # its tokens: a batch slot's Engine opens it again without tokenizing
         stream.reopen = lambda engine: engine.stream(prompt, **kwargs)  # the same request on a batch slot's Engine
         n = stream.stats.prompt_tokens
         room = self.context - n
