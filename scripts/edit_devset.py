@@ -11,6 +11,8 @@ answer is expected to repeat, as an editor plug-in sends it), with where the cod
 
 Categories: rename (a local name or parameter), type_hints, logging, default (change one argument's default),
 docstring (rewrite the first line of the docstring). The answer repeats the function except at a few points.
+--whole-files N adds N tasks of category whole_file: a whole standard-library module of 100-300 lines (about 1,000-3,000
+tokens) with one of the edits above made to one of its functions, the answer being the whole updated file.
 --prediction none leaves the prediction out (the original is then only in the prompt); --prediction wrong sends
 another function as the prediction (a prediction that is wrong from the start). The data is never committed:
 this script is. The same Python and --seed give the same file.
@@ -88,6 +90,45 @@ def instruction(category: str, name: str, node: ast.FunctionDef, rng: random.Ran
     raise ValueError(category)
 
 
+WHOLE_LINES, WHOLE_CHARS = (100, 300), (3500, 9000)
+
+
+def modules(stdlib: Path):
+    """(file, text) of the standard library's top-level modules of WHOLE_LINES lines and WHOLE_CHARS characters."""
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if WHOLE_LINES[0] <= text.count("\n") <= WHOLE_LINES[1] and WHOLE_CHARS[0] <= len(text) <= WHOLE_CHARS[1]:
+            yield path.name, text
+
+
+def whole_files(count: int, seed: int, prediction: str) -> list[dict]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    pool = list(modules(stdlib))
+    rng = random.Random(seed + 1)
+    rng.shuffle(pool)
+    rows: list[dict] = []
+    for rel, text in pool:
+        if len(rows) >= count:
+            break
+        funcs = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno > 4]
+        if not funcs:
+            continue
+        node = rng.choice(funcs)
+        category = CATEGORIES[len(rows) % len(CATEGORIES)]
+        edit = instruction(category, node.name, node, rng) or instruction("type_hints", node.name, node, rng)
+        edit = edit.replace("this function", f"the function `{node.name}`")
+        prompt = (f"In the file below: {edit} Return the whole updated file in one ```python code block and nothing "
+                  f"else.\n\n```python\n{text}```")
+        row = {"question_id": f"file-{len(rows) + 1:02d}", "category": "whole_file", "turns": [prompt],
+               "source": {"file": rel, "function": node.name, "lines": text.count("\n")}, "licence": "PSF-2.0"}
+        if prediction == "original":
+            row["prediction"] = f"```python\n{text}```"
+        elif prediction == "wrong":
+            row["prediction"] = f"```python\n{pool[-1 - len(rows)][1]}```"
+        rows.append(row)
+    return rows
+
+
 def build(per_category: int, seed: int, prediction: str) -> list[dict]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     pool = list(functions(stdlib))
@@ -121,11 +162,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="JSONL file to write (default: the cache's devset/)")
     ap.add_argument("--per-category", type=int, default=3, help="tasks per category (default 3: 15 tasks)")
+    ap.add_argument("--whole-files", type=int, default=0, help="whole-file tasks to add (default 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prediction", choices=("original", "none", "wrong"), default="original",
                     help="the prediction each task sends: the original function (default), none, or another one")
     args = ap.parse_args()
-    rows = build(args.per_category, args.seed, args.prediction)
+    rows = build(args.per_category, args.seed, args.prediction) if args.per_category else []
+    rows += whole_files(args.whole_files, args.seed, args.prediction)
     out = args.out or default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))

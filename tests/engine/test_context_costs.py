@@ -86,6 +86,24 @@ def test_measure_keeps_a_cheaper_bigger_pass(fake_clock):
     assert times[4] < times[3]  # not made monotone
 
 
+def test_measure_times_every_size_when_bigger_passes_cost_less_per_token(fake_clock):
+    """llama.cpp's tiles on a Zen 4: T(12) ~ 8.9 plain steps but T(16) ~ 7.5, T(32) ~ 14, T(64) ~ 27. No size is left
+    out for costing many plain steps: the deep passes are where a right copy pays most."""
+    kernel = {1: 1.0, 4: 2.8, 8: 6.9, 12: 8.9, 16: 7.5, 32: 14.0, 64: 27.0, 128: 54.0}
+    lm = _TimedLM(lambda n: kernel[n] * 0.034, fake_clock)
+    times = measure(lm, sorted(kernel), repeats=2)
+    assert sorted(times) == sorted(kernel)
+    assert times[16] < times[12] and times[64] / 64 < times[12] / 12
+
+
+def test_measure_stops_adding_sizes_past_its_budget(fake_clock):
+    """A slow machine (0.3 s a token) times the small passes and extrapolates the rest."""
+    lm = _TimedLM(lambda n: 0.3 * n, fake_clock)
+    times = measure(lm, [1, 2, 4, 8, 16, 32, 64], repeats=3, budget_s=30.0)
+    assert sorted(times) == [1, 2, 4, 8, 16]  # 4.5 s up to 8, 9.3 s with 16: a 32-token pass would pass 10 s
+    assert CostModel(times).t(64) == pytest.approx(0.3 * 64)  # the last slope, continued
+
+
 def test_measure_at_a_longer_context(fake_clock):
     lm = _TimedLM(lambda n: 0.01 * n, fake_clock, per_context=1e-5)
     short, long = measure(lm, [1, 4], repeats=1), measure(lm, [1, 4], repeats=1, context=1024)

@@ -128,6 +128,44 @@ def test_a_copy_realigned_on_a_long_run_is_trusted_deep_at_once():
     assert copy_values(20, 0.3, 16)[7] < 0.1
 
 
+LINES = list(range(100, 112)) + [10] + [4, 5, 6] + [10] + [7, 8, 9] + [10] + [11, 12]  # lines ending on token 10
+
+
+def test_an_inserted_line_resumes_the_copy_where_it_broke():
+    """The copy followed the line break (token 10) before the break; the inserted line ends on the same token, and the
+    original goes on right after it: the copy resumes there at once, before SYNC_MIN tokens of evidence."""
+    out = LINES[:13] + [50, 51, 52, 10]  # an inserted line "50 51 52" after the first line
+    a = follow(LINES, out)
+    assert a.pos == 13 and a.tentative and a.breaks == 1
+    g = a.guess(out, 3)
+    assert g.tokens == [4, 5, 6] and all(0 < v < 1 for v in g.values)
+    b = follow(LINES, out + [4, 5, 6])  # it held: a re-synchronisation like any other
+    assert not b.tentative and b.held == [1, 0] and b.breaks == 1
+    fresh = Alignment(LINES, "prediction", 0, True)  # a reference not yet seen copied: no short matches
+    fresh.follow([50, 10])
+    assert fresh.pos is None
+
+
+def test_a_tentative_alignment_that_fails_is_not_a_break_of_the_copy():
+    out = LINES[:13] + [50, 10, 60, 61, 10]  # a two-line insertion: the first line break resumes too early
+    a = follow(LINES, out)
+    assert a.breaks == 1 and a.held == [0, 1] and a.pos == 13 and a.tentative  # resumed again after the second line
+    values = a.guess(out, 3).values  # one failure halves the odds of the next tentative alignment
+    assert values == pytest.approx(copy_values(1, a.hazard, 3, odds=0.5, spurious=False))
+    assert values[0] < copy_values(1, a.hazard, 3, spurious=False)[0]
+
+
+def test_a_unique_short_match_resynchronises_after_a_deletion():
+    ref = list(range(100, 160))
+    out = ref[:20] + ref[30:32]  # ten tokens deleted: the next two occur once only in the prediction
+    a = follow(ref, out)
+    assert a.pos == 32 and a.run == 2 and a.tentative
+    assert a.guess(out, 4).tokens == ref[32:36]
+    prompt_copy = Alignment(ref, "context", 0, False)  # the prompt is not re-synchronised on less than SYNC_MIN
+    prompt_copy.follow(ref[:20] + ref[30:32])
+    assert prompt_copy.pos is None and not prompt_copy.tentative
+
+
 def test_trust_drops_with_breaks():
     ref = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3
     good = follow(ref, ref[:6]).guess(ref[:6], 4)

@@ -37,7 +37,7 @@ def engine(request):
     # table: that is what the test checks; the full measurement is tested on tiny models)
     from specdecode.planning.costs import CostModel, measure
     engine.costs = CostModel(measure(engine.target, (1, 2, 4, 8), repeats=1),
-                             measure(engine.draft_model.lm, (1, 2, 4), repeats=1, stop_at=float("inf")))
+                             measure(engine.draft_model.lm, (1, 2, 4), repeats=1, budget_s=float("inf")))
     yield engine
     torch.set_num_threads(1)
 

@@ -122,6 +122,7 @@ def test_llama_server_peer_command(tmp_path):
     assert " ".join(peer_argv("llama-server-ngram", **kw)).endswith("-np 4 -kvu -c 16384 --no-webui --spec-type ngram-mod")
     assert " ".join(peer_argv("llama-server-ngram-simple", **kw)).endswith(
         "--no-webui --spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 16")
+    assert " ".join(peer_argv("llama-server-ngram-simple-64", **kw)).endswith("--spec-ngram-simple-size-m 64")
     ours = peer_argv("specdecode", **kw)
     assert ours[1:4] == ["-m", "specdecode", "serve"] and "--parallel" not in ours and "--ctx-size" not in ours
     flags = ("--parallel", "--ctx-size")

@@ -2,7 +2,7 @@
 speculation does on the same prompts, GGUF files and threads, next to ours.
 
 Peers: `llama-server` (plain), `llama-server-draft` (`--spec-type draft-simple -md DRAFT`: the draft GGUF our
-engine runs), `llama-server-ngram` (`--spec-type ngram-mod`), `llama-server-ngram-simple` (`--spec-type ngram-simple`, 16 deep). One server per peer for the whole run, launched
+engine runs), `llama-server-ngram` (`--spec-type ngram-mod`), `llama-server-ngram-simple` (`--spec-type ngram-simple`, 16 deep; `-64`: 64 deep). One server per peer for the whole run, launched
 by launch/servers.py (the same command lines as `specdecode loadtest --launch`, one slot: `-np 1 -kvu`), stopped at
 the end. Each prompt goes to its native /completion as our engine's prompt token ids: greedy (temperature 0,
 top-k 1, no repetition penalty), streamed, `cache_prompt: false` (every run prefills, as ours do). TTFT is
@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 
-SERVER_PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram", "llama-server-ngram-simple")
+SERVER_PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram", "llama-server-ngram-simple",
+                "llama-server-ngram-simple-64")
 
 
 def server_binary(path: str | None = None) -> str:

@@ -17,6 +17,13 @@ SPURIOUS_GO_ON a token). The run weighs them (Bayes, from the source's prior odd
 P(genuine | r) (1 - h)^j + P(spurious | r) SPURIOUS_GO_ON^j. So a copy that re-synchronises after an edit point on a
 long common run is trusted at once as far as the reference's own record allows, a short match backs off, and a
 reference that is wrong from the start (another file) breaks often, its hazard grows, and it is soon not drafted from.
+
+A client's prediction is also re-synchronised on less evidence, tentatively: where the output's last 2 (or 1) tokens
+occur once only in the prediction, and where the output writes again the token the copy last followed before it broke
+(an inserted line ends on the same newline and indentation as the line before it, and the original goes on after it).
+A tentative alignment that breaks before SYNC_MIN tokens is not a break of the copy; its guesses are valued as a
+genuine copy only, at odds learned from how often this reference's tentative alignments held. Only a reference the
+output has been seen to copy is re-synchronised so (a wrong prediction shares short pieces with any output).
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ SPURIOUS_GO_ON = 0.7  # P(a chance match of the output and the reference goes on
 PRIOR_ODDS = {"prediction": 1.0, "context": 1 / 3}  # odds of a genuine copy before any run: the client's own
 # prediction is meant to be copied; a prompt is mostly not repeated, and code repeats short pieces of itself
 EDIT_MAX = 16  # the longest span a remembered substitution replaces or writes (a rename, a changed argument)
+TENTATIVE = ("prediction",)  # the sources re-synchronised tentatively (a prompt repeats short pieces everywhere)
+TENTATIVE_MISSES = 4  # tentative alignments that may fail beyond those that held before a reference gets no more
 
 
 @dataclass
@@ -63,6 +72,9 @@ class Alignment:
         self._by_first: dict[int, list[tuple]] = {}  # their reference spans by first token, longest first
         self.pending: list[int] = []  # the rest of a substitution the output is expected to write now
         self._pending_end = 0  # where the reference goes on after it
+        self.tentative = False  # aligned on less than SYNC_MIN tokens of evidence (see the module's docstring)
+        self.held = [0, 0]  # tentative alignments that reached SYNC_MIN tokens, and those that broke before
+        self._short: dict[int, NgramIndex] | None = None  # 1- and 2-grams of the reference (tentative alignments)
         # SYNC_MIN-gram -> positions just after its occurrences, ascending: 12 bytes a reference token (ngram_index.py)
         self._index = NgramIndex(self.reference, SYNC_MIN)
 
@@ -76,17 +88,52 @@ class Alignment:
                 expected = self._expected(1)
                 if expected and expected[0] == x:
                     self._advance()
+                    if self.tentative and self.run >= SYNC_MIN:  # it held: as good as a re-synchronisation
+                        self.tentative = False
+                        self.held[0] += 1
+                        self._learn(out, i + 1)
                     continue
                 if self.pending and self.pos < len(ref) and ref[self.pos] == x:  # the original kept here
                     self.pending = []
                     self._advance()
                     continue
-                self.breaks += 1
-                self._broke = (i, self.pos)
-                self.last, self.pos, self.run, self.pending = self.pos, None, 0, []
+                if self.tentative:  # a tentative alignment that did not hold: the copy's own break still stands
+                    self.held[1] += 1
+                    self.tentative, self.pos, self.run, self.pending = False, None, 0, []
+                else:
+                    self.breaks += 1
+                    self._broke = (i, self.pos)
+                    self.last, self.pos, self.run, self.pending = self.pos, None, 0, []
             if i + 1 >= SYNC_MIN:
                 self._sync(out, i + 1)
+            if self.pos is None and self.source in TENTATIVE and self._trusted:
+                self._resume(out, i + 1)
         self.seen = len(out)
+
+    @property
+    def _trusted(self) -> bool:
+        """Whether a short match is evidence here: the output has copied this reference more than the prior's tokens per
+        break, and its tentative alignments have not failed TENTATIVE_MISSES times more often than they held."""
+        return self.copied > BREAK_PRIOR * self.breaks and self.held[1] < self.held[0] + TENTATIVE_MISSES
+
+    def _resume(self, out: list[int], n: int) -> None:
+        """Tentatively re-align after out[:n]: where its last 2, then 1, tokens occur once only in the reference, or
+        right after the break where the output writes again the token the copy followed last before it."""
+        if self._short is None:  # built on the first edit point only
+            self._short = {size: NgramIndex(self.reference, size) for size in (1, 2)}
+
+        def once(size: int) -> int:  # the position after the output's last `size` tokens, where they occur once only
+            ends = self._short[size].get(out[n - size:n]) if n >= size else ()
+            return ends[0] if len(ends) == 1 else -1
+        broke = self._broke[1] if self._broke is not None else 0
+        found = [(2, once(2))]
+        if broke > 0 and out[n - 1] == self.reference[broke - 1]:
+            found.append((1, broke))
+        found.append((1, once(1)))
+        for run, end in found:
+            if 0 < end < len(self.reference):
+                self.pos, self.run, self.tentative = end, run, True
+                return
 
     def _advance(self) -> None:
         """The output went on as expected: one token further in the pending substitution or the reference."""
@@ -160,7 +207,7 @@ class Alignment:
             if run > best_run:
                 best_end, best_run = end, run
         if best_end is not None and best_end < len(ref):
-            self.pos, self.run = best_end, best_run
+            self.pos, self.run, self.tentative = best_end, best_run, False
             self._learn(out, n)
 
     @property
@@ -175,17 +222,23 @@ class Alignment:
         if self.pos is None or depth <= 0 or (self.pos >= len(self.reference) and not self.pending):
             return None
         tokens = self._expected(depth)
-        values = copy_values(self.run, self.hazard, len(tokens), PRIOR_ODDS.get(self.source, 1.0))
+        odds = PRIOR_ODDS.get(self.source, 1.0)
+        if self.tentative:  # a short match is no evidence of a chance copy going on: valued as a genuine one only
+            odds *= (self.held[0] + 1) / (self.held[1] + 1)
+            values = copy_values(self.run, self.hazard, len(tokens), odds, spurious=False)
+        else:
+            values = copy_values(self.run, self.hazard, len(tokens), odds)
         return CopyGuess(tokens, values, self.run, self.source)
 
 
-def copy_values(run: int, hazard: float, n: int, odds: float = 1.0) -> list[float]:
+def copy_values(run: int, hazard: float, n: int, odds: float = 1.0, spurious: bool = True) -> list[float]:
     """P(the target takes each of the next n copied tokens, the path to it included) after `run` tokens copied in
-    a row: genuine copy (hazard per token) or chance match (SPURIOUS_GO_ON per token), weighed by the run from
-    prior odds `odds` of a genuine copy."""
+    a row: genuine copy (hazard per token) or chance match (SPURIOUS_GO_ON per token; not counted where spurious is
+    False), weighed by the run from prior odds `odds` of a genuine copy."""
     keep = 1.0 - hazard
     genuine = 1.0 / (1.0 + (SPURIOUS_GO_ON / keep) ** run / odds) if keep > 0 else 0.0
-    return [genuine * keep ** j + (1.0 - genuine) * SPURIOUS_GO_ON ** j for j in range(1, n + 1)]
+    chance = (1.0 - genuine) if spurious else 0.0
+    return [genuine * keep ** j + chance * SPURIOUS_GO_ON ** j for j in range(1, n + 1)]
 
 
 def followed(prompt_ids, prediction_ids, start: int | None = None) -> list[Alignment]:

@@ -8,6 +8,7 @@ history from another; loadtest/peers.py measures them):
 - `llama-server-draft`: the same with the draft model, `--spec-type draft-simple -md DRAFT`;
 - `llama-server-ngram`: the same with llama.cpp's n-gram speculation, `--spec-type ngram-mod` (`--spec-default`'s);
 - `llama-server-ngram-simple`: `--spec-type ngram-simple`, a 4-token lookup drafting up to 16 tokens (copies);
+- `llama-server-ngram-simple-64`: the same drafting up to 64 tokens (long copies, on CPUs whose deep passes are cheap);
 - `specdecode`: ours, `specdecode serve --target T [--draft D] --threads THREADS`, plus `--parallel c`
   where the server has that flag, and `--ctx-size CTX` where given and the server has it;
 - `specdecode-p1`: ours with `--parallel 1` (only where the server has that flag; without it
@@ -32,7 +33,8 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 
-PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram", "llama-server-ngram-simple", "specdecode", "specdecode-p1", "llama-cpp-python")
+PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram", "llama-server-ngram-simple",
+         "llama-server-ngram-simple-64", "specdecode", "specdecode-p1", "llama-cpp-python")
 DEFAULT_PEERS = ("llama-server", "llama-server-draft", "specdecode")
 DEFAULT_CTX = 4096  # llama-server's KV cells per slot; the context of the single-stream bench peers too
 HEALTH = {"llama-cpp-python": "/v1/models"}  # the path a peer answers 200 on once ready (default /health)
@@ -91,8 +93,9 @@ def peer_argv(name: str, *, port: int, slots: int, threads: int, ctx: int, targe
                      "-tbd", str(threads)]
         elif name == "llama-server-ngram":
             argv += ["--spec-type", "ngram-mod"]
-        elif name == "llama-server-ngram-simple":
-            argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", "16"]
+        elif name.startswith("llama-server-ngram-simple"):
+            deep = "64" if name.endswith("-64") else "16"
+            argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", deep]
         elif name != "llama-server":
             raise SpecDecodeError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
         return argv + list(extra)

@@ -17,14 +17,18 @@ from dataclasses import dataclass, field
 from .calibration import Calibration  # noqa: F401  (re-exported)
 from ..host import cache_dir, cpu_name as _cpu_name, write_json  # _cpu_name: the old name, kept
 
-TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # up to a followed copy's deepest chain (copy.py)
+# up to a followed copy's deepest chain (tree.MAX_COPY_DEPTH); every size is timed, within MEASURE_BUDGET_S: on tiled
+# kernels a bigger pass can cost less per token, even less in all, than a smaller one (docs/design/cost-model.md)
+TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
 DRAFT_SIZES = (1, 2, 4, 8)
 DRAFT_READ = 128  # one draft pass over this many tokens: what catching the draft up on unseen text costs
 CONTEXT = 128  # tokens already cached when timing the base table: a typical short prompt
 LONG_CONTEXTS = (1024, 2048)  # also timed where the model's context holds them: attention grows with the text
-LONG_SIZES = 16  # at the long contexts, passes up to this many tokens (past it: the base table's shape)
-FORMAT = 4  # the cache file's format: tables at several contexts, measured as they are (not made monotone), every pass
-# on the one compute thread (backends/compute.py), target passes up to 64 tokens
+LONG_SIZES = 64  # at the long contexts, passes up to this many tokens (past it: the base table's shape)
+FORMAT = 5  # the cache file's format: tables at several contexts, measured as they are (not made monotone), every pass
+# on the one compute thread (backends/compute.py), target passes up to 128 tokens with no stop on a size's cost
+MEASURE_BUDGET_S = 60.0  # the base table's first round stops adding sizes once it has taken a third of this: a slow
+# machine (bf16 torch without AMX) extrapolates its biggest passes rather than spend minutes on its first run
 # the long-context tables are timed only while their estimated time (reading the context, then the passes) fits
 # this budget: on a slow machine (bf16 torch on an AVX2-only CPU: minutes per table) the first run stays short,
 # and the costs there do not depend on the context length
@@ -125,11 +129,12 @@ def _time_pass(lm, context: int, n: int) -> float:
     return time.perf_counter() - t
 
 
-def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0, context: int = CONTEXT) -> dict[int, float]:
+def measure(lm, sizes, repeats: int = 3, progress=None, budget_s: float = MEASURE_BUDGET_S,
+            context: int = CONTEXT) -> dict[int, float]:
     """Seconds of one pass over n new tokens after `context` cached ones: the fastest of `repeats`
     rounds (round-robin over the sizes, so a burst of noise does not hit one size only), kept as
-    measured (a bigger pass may be cheaper: kernels work in groups). Sizes past stop_at x the
-    smallest size's cost are not measured (extrapolated)."""
+    measured (a bigger pass may be cheaper: kernels work in tiles). Every size is timed, in order, until the
+    first round would spend more than budget_s / repeats seconds; the sizes past that are not measured (extrapolated)."""
     vocab = min(1000, lm.vocab_size)
     text = [(7 * i + 11) % vocab for i in range(context)]
     best: dict[int, float] = {}
@@ -138,26 +143,20 @@ def measure(lm, sizes, repeats: int = 3, progress=None, stop_at: float = 8.0, co
     for n in sizes[:2]:  # warm-up
         lm.forward([1] * n)
         lm.rollback(context)
+    spent = 0.0
     for r in range(repeats):
         for n in sizes:
             if r and n not in best:
                 continue
-            if best and best[sizes[0]] * stop_at < best.get(n, 0.0):
-                continue
-            best[n] = min(best.get(n, float("inf")), _time_pass(lm, context, n))
+            if r == 0 and best:  # the next size's cost, guessed in proportion to the last one timed
+                last = max(best)
+                if spent + best[last] * n / last > budget_s / repeats:
+                    break
+            seconds = _time_pass(lm, context, n)
+            spent += seconds
+            best[n] = min(best.get(n, float("inf")), seconds)
             if progress is not None:
                 progress.update(1)
-            if r == 0 and best[n] > best[sizes[0]] * stop_at:
-                # past the cap: time it again (up to 3 more times, a pause between), so that noise (seen: a
-                # 5-token pass at 13 plain steps once; a 3-token pass at 36 while other processes ran) does not
-                # end the table, and stop only if it stays there
-                for _ in range(3):
-                    time.sleep(0.2)
-                    best[n] = min(best[n], _time_pass(lm, context, n))
-                    if best[n] <= best[sizes[0]] * stop_at:
-                        break
-                if best[n] > best[sizes[0]] * stop_at:
-                    break
     lm.reset()
     return dict(sorted(best.items()))
 
@@ -203,7 +202,7 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
     from tqdm.auto import tqdm
     sizes = [n for n in TARGET_SIZES if n + CONTEXT < target_lm.max_length]
     dsizes = [k for k in (*DRAFT_SIZES, DRAFT_READ) if draft_lm is not None and k + CONTEXT < draft_lm.max_length]
-    longs = [c for c in LONG_CONTEXTS if c + 64 < target_lm.max_length]  # room for the long tables' passes
+    longs = [c for c in LONG_CONTEXTS if c + LONG_SIZES < target_lm.max_length]  # room for the long tables' passes
     dlongs = [c for c in LONG_CONTEXTS[:1] if draft_lm is not None and c + 2 * DRAFT_READ < draft_lm.max_length]
     lsizes = [n for n in sizes if n <= LONG_SIZES]
     total = 3 * (len(sizes) + len(dsizes) + len(longs) * len(lsizes) + len(dlongs) * len(dsizes))
@@ -211,13 +210,14 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
         target = measure(target_lm, sizes, progress=bar)
         draft = draft_at = {}
         if dsizes:  # the draft's big pass (catching up) is timed whatever its cost
-            draft = measure(draft_lm, dsizes, progress=bar, stop_at=float("inf"))
+            draft = measure(draft_lm, dsizes, progress=bar, budget_s=float("inf"))
+        lsizes = [n for n in lsizes if n in target]  # what the base table measured (the rest is extrapolated)
         longs, dlongs = within_budget(target, longs, lsizes, LONG_BUDGET_S), within_budget(draft, dlongs, dsizes,
                                                                                            LONG_BUDGET_S / 2)
         bar.total = 3 * (len(target) + len(draft) + len(longs) * len(lsizes) + len(dlongs) * len(dsizes))
         target_at = {c: measure(target_lm, lsizes, progress=bar, context=c) for c in longs}
         if dsizes:
-            draft_at = {c: measure(draft_lm, dsizes, progress=bar, stop_at=float("inf"), context=c) for c in dlongs}
+            draft_at = {c: measure(draft_lm, dsizes, progress=bar, budget_s=float("inf"), context=c) for c in dlongs}
         costs = CostModel(target, draft, target_at, draft_at)
     write_json(path, {"format": FORMAT, "target": costs.target, "draft": costs.draft,
                       "target_at": costs.target_at, "draft_at": costs.draft_at}, indent=1)

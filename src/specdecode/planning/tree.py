@@ -38,7 +38,8 @@ from ..sampling import SamplingParams, probs_from_logits, sample
 MAX_LOOKUP_NODES = 24  # lookup guesses offered to the planner per source and step (it keeps those that pay)
 LONG_CATCHUP = 512  # unread tokens from which the draft model's catch-up waits for the generation's first tokens
 CATCHUP_WAIT = 16  # tokens a generation writes before that catch-up may be paid
-MAX_COPY_DEPTH = 64  # a followed copy's chain (drafters/copy.py) may go this deep, where the measured passes pay
+MAX_COPY_DEPTH = 127  # a followed copy's chain (drafters/copy.py) may go this deep (a pass of 128 tokens, the largest
+# the cost model times), where the measured passes pay
 RIDE_MARGIN = 1.2  # a step rides the copy alone (no tree, no draft model) when its chain's modelled rate beats
 # plain decoding's by this much; below it the copy's guesses join the tree like other lookup guesses
 
