@@ -15,13 +15,13 @@ from .drafters import (DRAFT_WINDOW, Datastore, DraftModel, History, Lookup, Pro
 from .errors import SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits, padding
 from .lease import Lease, tokenizer_lock
-from .methods import METHOD_TABLE, DraftRequest, method_names
+from .methods import METHOD_TABLE, NO, DraftRequest, method_names
 from .sampling import SamplingParams
 from .stats import Generation, Stats
 from .textstream import TextStream
 from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
 from .loop import speculative_decode
-from .prefill import Interrupt, cache_kept_for_reuse
+from .prefill import Interrupt, cache_kept_for_reuse, interruptible, text_budget
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
@@ -268,7 +268,10 @@ class Engine:
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
                                    max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
                                    generator=generator, stats=stats, exact=limits, scope=scope, interrupt=interrupt)
-        out = TextStream(self, self._surrounded(steps, request.history, limits, scope), stats,
+        draft = self.draft_model if m.needs_draft_model != NO else None
+        budget = text_budget(self.target, len(prompt_ids), max_new_tokens,
+                             limits is not None or getattr(self.target, "exact", False))
+        out = TextStream(self, self._surrounded(steps, request.history, limits, scope, interrupt, draft, budget), stats,
                          [stop] if isinstance(stop, str) else list(stop or []), interrupt)
         out.prompt_ids, out.cache_scope = prompt_ids, scope  # where a server runs it: a slot that holds its start
         out.prediction_ids = request.prediction_ids  # tokenized once: a slot's or a router's stream reuses them
@@ -300,11 +303,16 @@ class Engine:
         return stats, depth_cap
 
     def _surrounded(self, steps: Iterator[list[int]], history: History | None, limits: ExactLimits | None,
-                    scope: str | None) -> Iterator[list[int]]:
+                    scope: str | None, interrupt: Interrupt, draft: DraftModel | None,
+                    budget: int) -> Iterator[list[int]]:
         """The loop's steps inside what surrounds a generation, entered at its first step in this order and left in
-        the reverse however it ends (exhausted, an error, or closed between steps: a client gone)."""
+        the reverse however it ends (exhausted, an error, or closed between steps: a client gone). draft: the draft
+        model the generation may run, its cache sized here for `budget` tokens of text as the target's is in prefill."""
         with ExitStack() as around:
             around.enter_context(self.lease.held("starting a second generation"))  # the models' one KV cache each
+            around.enter_context(interruptible([self.target] + ([draft.lm] if draft is not None else []), interrupt))
+            if draft is not None:
+                draft.reserve(budget)
             around.enter_context(torch_threads_for(self.target))
             out: list[int] = []
             if history is not None:

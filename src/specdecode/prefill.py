@@ -12,7 +12,7 @@ from .errors import Interrupted, SpecDecodeError
 from .sampling import argmax
 from .stats import Stats
 
-RESERVE_AHEAD = 1024  # output tokens a generation's cache is sized for up front (most answers are shorter)
+RESERVE_AHEAD = 1024  # output tokens sized for up front where the budget runs to the context's end (text_budget)
 PREFILL_CHUNK = 512  # tokens per pass of a prompt read on torch where it may be interrupted (llama.cpp: its n_batch)
 
 
@@ -25,6 +25,31 @@ class Interrupt:
 
     def __call__(self) -> bool:
         return self.check is not None and bool(self.check())
+
+
+def text_budget(target: LM, prompt_tokens: int, max_new_tokens: int, exact: bool = False) -> int:
+    """Tokens of text a generation's caches are sized for before its prompt is read: the prompt and max_new_tokens,
+    so that no context is made anew (its text moved or read again) in the middle of a generation. A budget that
+    reaches the context's end bounds nothing (a server's request without max_tokens): the prompt and RESERVE_AHEAD
+    then, more as the text grows (LM.forward), so that an answer that ends early never held the whole context.
+    Exact mode: always all of it (a context made anew reads the text again, in plain decoding's passes)."""
+    total = prompt_tokens + max_new_tokens
+    if exact or total < target.max_length:
+        return min(total, target.max_length)
+    return prompt_tokens + RESERVE_AHEAD
+
+
+@contextmanager
+def interruptible(models: list[LM], interrupt: Interrupt | None):
+    """While a generation runs, its interrupt is asked between the passes of any re-read of these models' caches
+    (LlamaLM.reserve, where a context is made anew); afterwards none is (an ended request's interrupt stays set)."""
+    for lm in models:
+        lm.interrupt = interrupt
+    try:
+        yield
+    finally:
+        for lm in models:
+            lm.interrupt = None
 
 
 def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_tokens: int, stats: Stats,
@@ -42,11 +67,7 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     keep = target.keep_prefix(prompt_ids, scope)  # 0: the cache emptied
     target.owner = None  # until the prompt is in: a failed read leaves nothing to reuse
     stats.cached_prompt_tokens = keep
-    # room for the prompt and the start of the output; more comes as the text grows (LM.forward), so that a request
-    # that may run to the context's end (a server's without max_tokens) does not size the cache for it up front.
-    # Exact mode reserves it all: growing reads the text again in other passes than plain decoding's.
-    ahead = max_new_tokens if getattr(target, "exact", False) else min(max_new_tokens, RESERVE_AHEAD)
-    target.reserve(len(prompt_ids) + ahead)
+    target.reserve(text_budget(target, len(prompt_ids), max_new_tokens, getattr(target, "exact", False)))
     if drafter is not None:
         drafter.reset()
     ids, head, t = list(prompt_ids), [], time.perf_counter()

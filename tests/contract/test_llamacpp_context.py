@@ -1,6 +1,8 @@
-"""The llama.cpp context grows with the text (LlamaLM.reserve): it starts at FIRST_CTX cells, like
-llama-cpp-python's Llama, because a large context makes each step slower (values are stored transposed
-with the cell count as row stride), and doubles when a generation needs more."""
+"""The llama.cpp context's size (LlamaLM.reserve): it starts at FIRST_CTX cells, like llama-cpp-python's Llama,
+because a large context makes each step slower (values are stored transposed with the cell count as row stride),
+and doubles while a generation needs more: sized before the prompt's read for the prompt and max_new_tokens, so
+that no generation stops mid-way to move or read its text again. A context made anew keeps the text cached in it
+(its keys and values copied; exact mode reads it again, asking the interrupt between the passes)."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,7 @@ pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs llama-cpp-p
 
 import specdecode.backends.llamacpp.lm as llamacpp_mod  # noqa: E402
 from specdecode import Engine  # noqa: E402
+from specdecode.errors import Interrupted  # noqa: E402
 from specdecode.backends import load_lm  # noqa: E402
 from specdecode.backends.llamacpp import MAX_SEQ, LlamaLM  # noqa: E402
 from tinygguf import write_tiny_gguf  # noqa: E402
@@ -147,3 +150,108 @@ def test_a_generation_without_a_length_does_not_keep_the_context_grown(gguf, mon
     big, tok2, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
     ref = Engine(big, tok2).generate(prompt, method="autoregressive", max_new_tokens=300)
     assert grown.token_ids == ref.token_ids and short.token_ids == ref.token_ids[:len(short.token_ids)]
+
+
+def _watched(monkeypatch, lm):
+    """What happens to lm's context: `made`, the cached tokens at each context made anew; `starts`, the passes that
+    begin at position 0 (a prompt's read, or the text read again)."""
+    made, starts = [], []
+    new_context, decode = lm._new_context, lm._decode
+
+    def spy_new(cells):
+        made.append(len(lm.ids))
+        new_context(cells)
+
+    def spy_decode(tokens):
+        starts.extend(t[1] for t in tokens[:1] if t[1] == 0)
+        return decode(tokens)
+    monkeypatch.setattr(lm, "_new_context", spy_new)
+    monkeypatch.setattr(lm, "_decode", spy_decode)
+    return made, starts
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "draft"])
+def test_a_long_generation_is_sized_up_front_and_never_moves_its_text(gguf, monkeypatch, method):
+    """prompt + max_new_tokens far beyond the first context and the old reserve ahead: the target's and the draft's
+    contexts are made on empty caches, before the prompt's read, with room for the whole generation; while it runs no
+    context is made anew and no text is read again (each model reads position 0 once)."""
+    import specdecode.prefill as prefill_mod
+    monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 64)
+    monkeypatch.setattr(prefill_mod, "RESERVE_AHEAD", 64)
+    target, tok, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
+    draft, _, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
+    engine = Engine(target, tok, draft, tok)
+    first = target._cells
+    watched = [_watched(monkeypatch, lm) for lm in (target, draft)]
+    prompt = "def f(x):\n    return x\n" * 12
+    n = len(engine.encode(prompt))
+    out = engine.generate(prompt, method=method, max_new_tokens=900)
+    assert n + len(out.token_ids) > first  # the text outgrew the first context
+    assert target._cells >= n + 900 + MAX_SEQ
+    for (made, starts), used in zip(watched, (True, method == "draft")):
+        assert (made, starts) == (([0], [0]) if used else ([], []))
+
+
+@pytest.mark.parametrize("how", ["exact", "copy fails"])
+def test_a_reread_asks_the_interrupt_between_its_passes(gguf, monkeypatch, how):
+    """Where a context made anew must read its text again (exact mode; a failed copy of its keys and values), a
+    cancelled request stops that read after the pass under way; without a cancel the whole text is read."""
+    monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 1024)  # the text fits; reserve(1500) makes a bigger context
+    text = [(5 * i + 3) % 200 for i in range(1100)]
+    for cancel in (True, False):
+        lm = LlamaLM(gguf, threads=1, exact=how == "exact")
+        if how == "copy fails":
+            monkeypatch.setattr(lm, "_text_state", lambda: None)
+        lm.forward(text, last_only=True)
+        lm.mark_prompt()
+        passes, decode = [], lm._decode
+        monkeypatch.setattr(lm, "_decode", lambda tokens: (passes.append(len(tokens)), decode(tokens))[1])
+        lm.interrupt = (lambda: len(passes) >= 1) if cancel else (lambda: False)
+        if cancel:
+            with pytest.raises(Interrupted):
+                lm.reserve(1500)
+            assert passes == [512] and len(lm.ids) == lm.trunk == 512
+        else:
+            lm.reserve(1500)
+            assert passes == [512, 512, 76] and lm.ids == text
+        assert lm._cells >= 1500 + MAX_SEQ
+
+
+def test_a_cancel_during_a_reread_ends_the_stream(gguf, monkeypatch):
+    """A generation without a budget (it may run to the context's end) that outgrows its context while the text must
+    be read again: the stream's interrupt stops it between the passes of that read, and the stream ends as an
+    interrupted one does (no error)."""
+    import specdecode.prefill as prefill_mod
+    monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 64)
+    monkeypatch.setattr(prefill_mod, "RESERVE_AHEAD", 64)
+    target, tok, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
+    monkeypatch.setattr(target, "_text_state", lambda: None)
+    engine = Engine(target, tok)
+    prompt = "abc " * 150
+    n = len(engine.encode(prompt))
+    made, starts = _watched(monkeypatch, target)
+    stream = engine.stream(prompt, method="autoregressive", max_new_tokens=target.max_length - n)
+    stream.interrupt = lambda: len(starts) >= 2  # the text began to be read again
+    for _ in stream:
+        pass
+    assert len(made) == 2 and made[1] > n and starts == [0, 0]
+    assert len(target.ids) == 512 and target.interrupt is None
+
+
+def test_a_grown_context_shrinks_back_with_a_kept_prefix(gguf, monkeypatch):
+    """The prompt cache keeps a conversation's start; a long generation grew the context: the next, short one gets a
+    small context again, with the kept prefix moved into it (not read again) and the same tokens as without it."""
+    monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 64)
+    target, tok, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
+    engine = Engine(target, tok, prompt_cache=True)
+    first = target._cells
+    system = "You answer in one line. " * 6
+    engine.generate(system + "Write a long story.", method="autoregressive", max_new_tokens=900, cache_scope="k")
+    assert target._cells > first
+    made, starts = _watched(monkeypatch, target)
+    short = engine.generate(system + "Say hi.", method="autoregressive", max_new_tokens=20, cache_scope="k")
+    assert short.stats.cached_prompt_tokens > 100 and target._cells == first
+    assert made and made[0] >= 100 and starts == []  # made anew holding the prefix, which was never read again
+    fresh, tok2, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
+    ref = Engine(fresh, tok2).generate(system + "Say hi.", method="autoregressive", max_new_tokens=20)
+    assert short.token_ids == ref.token_ids

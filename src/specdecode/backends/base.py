@@ -144,6 +144,10 @@ class LM(Protocol):
         """The generation that began with keep_prefix has ended (a batch slot may then share its text with the other
         slots; the default does nothing)."""
 
+    # asked (a callable: True = stop) between the passes of a re-read of the cache where one is made anew (LlamaLM.reserve);
+    # the running generation's interrupt (prefill.interruptible), None between generations
+    interrupt = None
+
     def reserve(self, n: int) -> None:
         """Make room for n tokens of text before a generation starts (a backend whose cache is sized up
         front grows it here; the default does nothing)."""

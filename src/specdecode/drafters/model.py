@@ -60,6 +60,13 @@ class DraftModel:
         self.lm.reset()
         self.offset = 0
 
+    def reserve(self, n: int) -> None:
+        """Empty the draft's cache and size it for a text of n tokens: the view of it the draft sees (at most 1.5
+        windows; a draft's depth fits in the room LM.reserve keeps beyond the text)."""
+        self.reset()
+        w = self.view_window
+        self.lm.reserve(n if w is None else min(n, w + w // 2))
+
     def _rebase(self, n: int) -> int:
         """The offset the draft's view starts at once n committed tokens stand: kept while the view is
         under 1.5 windows long (so the draft re-reads a window only every half window of text), else

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import SpecDecodeError
+from ...errors import Interrupted, SpecDecodeError
 from .. import compute
 from .amx import amx_usable
 from ..base import LM, no_autograd
@@ -33,9 +33,10 @@ MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree p
 N_BATCH = 512  # tokens per llama_decode call (a longer causal feed is split)
 MAX_CTX = 32768  # default context cap
 PARK = MAX_SEQ - 1  # exact mode: the sequence id that holds parked cells (seen by no query)
-# The context starts with this many cells and doubles when a generation needs more (reserve): without flash
-# attention values are stored transposed with a row stride of the cell count, so a 33k-cell context made each decode
-# step at 1,400 tokens ~15% slower than a 4k one (Zen 4, 2 vCPUs; llama-cpp-python's Llama uses 4,096 too).
+# The context starts with this many cells and doubles while a generation needs more (reserve, sized up front for the
+# prompt and max_new_tokens): without flash attention values are stored transposed with a row stride of the cell
+# count, so a 33k-cell context made each decode step at 1,400 tokens ~15% slower than a 4k one (Zen 4, 2 vCPUs;
+# llama-cpp-python's Llama uses 4,096 too).
 FIRST_CTX = 4096
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
                12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
@@ -219,32 +220,52 @@ class LlamaLM(LM):
         self._cells = int(lc.llama_n_ctx(self._ctx))
 
     def reserve(self, n: int) -> None:
-        """Make room for n tokens of text (and a tree beyond them): the context doubles until it holds
-        them, up to max_length. Cheap on an empty cache (a new context); with cached text, that text is
-        read again (once per doubling; in exact mode in the passes plain decoding read it in, so that every cell holds
-        what plain decoding's does). On an empty cache, a context that an earlier generation grew past
-        what n needs shrinks back (a bigger one makes every step slower and holds more memory)."""
+        """Make room for n tokens of text (and a tree beyond them): FIRST_CTX cells, doubled until they hold n, up to
+        max_length. A context bigger than that shrinks back, with the text it holds (a bigger one makes every step
+        slower and holds more memory; a server's kept prompt prefix is no reason to keep it big); one too small grows.
+        Either way the cached text moves into the new context (_move)."""
         n = min(n, self.max_length)
         cells = min(self.max_length, FIRST_CTX)
         while cells < n:
             cells = min(2 * cells, self.max_length)
-        if not self.ids and max(cells + MAX_SEQ, N_BATCH) < self._asked:
-            self._new_context(cells + MAX_SEQ)
-            self.reset()
+        want = max(cells + MAX_SEQ, N_BATCH)
+        if want < self._asked and (not self.ids or (not self.exact and self.trunk == len(self.ids))):
+            self._move(want)  # smaller, where the text moves without a pass (exact mode would read it again)
             return
         if n + MAX_SEQ + self.parked <= self._cells:
             return
         if self.trunk != len(self.ids):
             raise SpecDecodeError("the llama.cpp context can grow only between passes (no tree cached)")
+        self._move(want)
+
+    def _move(self, cells: int) -> None:
+        """A new context of `cells` cells that holds the committed text cached now: its keys and values copied over,
+        bit for bit and without a pass. Exact mode (or where the copy fails) reads the text again, in the passes plain
+        decoding read it in (the prompt in passes of n_batch, then one token a pass), so that every cell holds what
+        plain decoding's does and parked cells are left behind; the interrupt is asked between those passes."""
         text, prompt = list(self.ids), self.prompt_read
-        self._new_context(cells + MAX_SEQ)
+        state = self._text_state() if text and not self.exact else None
+        self._new_context(cells)
         self.reset()
-        head = min(prompt, len(text)) if self.exact else len(text)
-        if head:
-            self.forward(text[:head], last_only=True)
-        for token in text[head:]:  # exact mode: the output as plain decoding read it, one token a pass
-            self.forward([token], last_only=True)
-        self.prompt_read = prompt
+        if state is not None and self._lc.llama_state_seq_set_data(self._ctx, state, len(state), self.seq0):
+            self.ids, self.trunk, self.prompt_read = text, len(text), prompt
+            return
+        self.reset()  # whatever a failed copy left
+        head, a = (min(prompt, len(text)) if self.exact else len(text)), 0
+        while a < len(text):
+            step = self.feed_step(head - a) if a < head else 1
+            self.forward(text[a:a + step], last_only=True)
+            a += step
+            self.prompt_read = min(prompt, a)
+            if a < len(text) and self.interrupt is not None and self.interrupt():
+                raise Interrupted
+
+    def _text_state(self):
+        """The keys and values of the trunk (sequence 0) as llama.cpp serialises them; None if it cannot."""
+        lc = self._lc
+        size = int(lc.llama_state_seq_get_size(self._ctx, self.seq0))
+        buf = (ctypes.c_uint8 * size)()
+        return buf if size and lc.llama_state_seq_get_data(self._ctx, buf, size, self.seq0) == size else None
 
     def reset(self) -> None:
         self._lc.llama_memory_clear(self._mem, False)  # metadata only: no memset of the buffers
