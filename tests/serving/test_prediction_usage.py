@@ -205,3 +205,41 @@ def test_a_batch_slot_opens_the_request_again_without_tokenizing_the_prediction(
     again = stream.reopen(engine)
     assert encodings == [answer] and again.prediction_ids == stream.prediction_ids == tuple(
         engine.encoder(answer, add_special_tokens=False)["input_ids"])
+
+
+def test_batch_slots_count_the_prediction_as_the_engine_alone(tmp_path, monkeypatch):
+    """On llama.cpp batch slots: the request's counts are those of the same generation alone, its prediction
+    tokenized once (the slot's Engine opens the request again with its tokens)."""
+    pytest.importorskip("llama_cpp")
+    from tinygguf import write_tiny_gguf
+    from tiny import byte_tokenizer
+
+    from specdecode import Engine
+    from specdecode.backends.llamacpp import LlamaLM
+    from specdecode.slots import Slots
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
+    tok = byte_tokenizer()
+    e = Engine(LlamaLM(gguf, threads=1), tok, LlamaLM(gguf, threads=1), tok)
+    e.progress = False
+    plain = e.generate("abcabcabc abc", method="pld", max_new_tokens=24)
+    prediction = "abc abc" + plain.text[4:]  # a changed start, then the answer
+    alone = e.generate("abcabcabc abc", method="pld", max_new_tokens=24, prediction=prediction)
+    slots = Slots(e, 2)
+    texts = []
+    for engine in [e, *slots.engines]:
+        encode = engine.encode_prediction
+        monkeypatch.setattr(engine, "encode_prediction",
+                            lambda x, encode=encode: (texts.append(x) if isinstance(x, str) else None) or encode(x))
+    live = LiveServer(create_app(e, model_id=MODEL, method="pld", slots=slots))
+    try:
+        r = http.post(f"{live.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "abcabcabc abc", "max_tokens": 24, "temperature": 0,
+            "prediction": {"type": "content", "content": prediction}})
+    finally:
+        live.stop()
+    assert r.status_code == 200, r.text
+    d = r.json()["usage"]["completion_tokens_details"]
+    assert r.json()["choices"][0]["text"] == alone.text and texts == [prediction]
+    assert (d["accepted_prediction_tokens"], d["rejected_prediction_tokens"]) == (
+        alone.stats.accepted_prediction_tokens, alone.stats.rejected_prediction_tokens)
+    assert alone.stats.accepted_prediction_tokens > 0
