@@ -156,6 +156,35 @@ def test_the_stats_line_sets_the_speed_beside_plain_decodings():
     assert "plain decoding: --compare measures it" in stats_line(reply, None, "")
 
 
+def test_the_prediction_counts_are_the_usage_fields_where_the_stats_hold_them():
+    from types import SimpleNamespace
+    from specdecode.apply.cli import reply_of_generation
+
+    class Stats(SimpleNamespace):
+        def as_dict(self):
+            return dict(vars(self))
+    drafted = Stats(finish_reason="eos", sources={"prediction": {"drafted": 50, "accepted": 40}})
+    assert (reply_of_generation(SimpleNamespace(text="x", stats=drafted)).accepted,
+            reply_of_generation(SimpleNamespace(text="x", stats=drafted)).rejected) == (40, 10)
+    usage = Stats(**vars(drafted), accepted_prediction_tokens=45, rejected_prediction_tokens=3)
+    reply = reply_of_generation(SimpleNamespace(text="x", stats=usage))
+    assert (reply.text, reply.finish, reply.accepted, reply.rejected) == ("x", "eos", 45, 3)
+
+
+def test_a_server_answer_of_another_shape_is_a_clear_error():
+    from specdecode.apply.cli import reply_of
+    from specdecode.apply.client import base_url, first_model
+    with pytest.raises(SpecDecodeError, match="not a chat completion"):
+        reply_of({"error": "x"})
+    with pytest.raises(SpecDecodeError, match="lists no model; name one with --model"):
+        first_model({"data": []}, "http://h")
+    reply = reply_of({"choices": [{"message": {"content": "a"}, "finish_reason": "length"}],
+                      "usage": {"completion_tokens_details": {"accepted_prediction_tokens": 7,
+                                                              "rejected_prediction_tokens": 2}}})
+    assert (reply.text, reply.finish, reply.stats, reply.accepted, reply.rejected) == ("a", "length", {}, 7, 2)
+    assert base_url("127.0.0.1:8000/v1/") == "http://127.0.0.1:8000" == base_url("http://127.0.0.1:8000")
+
+
 def _path(name):
     from pathlib import Path
     return Path(name)

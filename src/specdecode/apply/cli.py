@@ -5,8 +5,10 @@ answer's code block is the new file, printed as a unified diff or written in pla
 torch at module level: the parser is built before anything loads it."""
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..commands import load_engine, model_args, sampling_args, speculation_args, tree_kwargs
 from ..errors import SpecDecodeError
@@ -49,10 +51,27 @@ class Reply:
 
 def reply_of(answer: dict) -> Reply:
     """A server's chat completion (JSON) as a Reply: the usage's prediction tokens, the `speculation` stats."""
-    choice = answer["choices"][0]
+    try:
+        choice = answer["choices"][0]
+        text = choice["message"].get("content") or ""
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise SpecDecodeError(f"the server's answer is not a chat completion: {str(answer)[:200]}") from None
     details = (answer.get("usage") or {}).get("completion_tokens_details") or {}
-    return Reply(choice["message"].get("content") or "", choice.get("finish_reason"), answer.get("speculation") or {},
+    return Reply(text, choice.get("finish_reason"), answer.get("speculation") or {},
                  details.get("accepted_prediction_tokens") or 0, details.get("rejected_prediction_tokens") or 0)
+
+
+def reply_of_generation(out) -> Reply:
+    """An Engine's Generation as a Reply. The prediction's tokens as a server's usage counts them (OpenAI's meaning:
+    those the answer holds, those it does not) where the stats hold those fields; else the drafter's counts (tokens
+    drafted from the prediction that the target kept, and those it rejected)."""
+    stats = out.stats.as_dict()
+    if "accepted_prediction_tokens" in stats:
+        accepted, rejected = stats["accepted_prediction_tokens"], stats["rejected_prediction_tokens"]
+    else:
+        src = stats["sources"].get("prediction", {"drafted": 0, "accepted": 0})
+        accepted, rejected = src["accepted"], src["drafted"] - src["accepted"]
+    return Reply(out.text, out.stats.finish_reason, stats, accepted, rejected)
 
 
 def stats_line(reply: Reply, plain: Reply | None, where: str, greedy: bool = True) -> str:
@@ -94,13 +113,10 @@ def run_local(args, messages: list[dict], prediction: str) -> tuple[Reply, Reply
                     seed=args.seed)
     out = engine.generate(messages, method=args.method, gamma=args.gamma, prediction=prediction,
                           **tree_kwargs(args), **sampling)
-    src = out.stats.sources.get("prediction", {"drafted": 0, "accepted": 0})
-    reply = Reply(out.text, out.stats.finish_reason, out.stats.as_dict(), src["accepted"],
-                  src["drafted"] - src["accepted"])
+    reply = reply_of_generation(out)
     plain = None
     if args.compare:
-        p = engine.generate(messages, method="autoregressive", **sampling)
-        plain = Reply(p.text, p.stats.finish_reason, p.stats.as_dict())
+        plain = reply_of_generation(engine.generate(messages, method="autoregressive", **sampling))
     return reply, plain, f"backend {out.stats.engine or engine.backend}"
 
 
@@ -136,5 +152,5 @@ def apply_command(args) -> int:
         backup = write_atomically(source, new)
         sys.stderr.write(f"apply: wrote {source.path} (the old file: {backup})\n")
     else:
-        sys.stdout.write(unified_diff(source.text, new, source.path.as_posix().lstrip("/")))
+        sys.stdout.write(unified_diff(source.text, new, Path(os.path.normpath(source.path)).as_posix().lstrip("/")))
     return 0

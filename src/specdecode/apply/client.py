@@ -55,6 +55,13 @@ def request_body(args, model: str, messages: list[dict], prediction: str | None,
     return body | {k: v for k, v in optional.items() if v is not None}
 
 
+def first_model(listing: dict, root: str) -> str:
+    try:
+        return listing["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        raise SpecDecodeError(f"{root}/v1/models lists no model; name one with --model") from None
+
+
 def ask(args, messages: list[dict], prediction: str) -> tuple[dict, dict | None, str]:
     """The server's chat completion (and plain decoding's, with --compare), as JSON, and where it ran."""
     given = [f"--{name.replace('_', '-')}" for name in LOCAL_ONLY if getattr(args, name, None) is not None]
@@ -62,7 +69,7 @@ def ask(args, messages: list[dict], prediction: str) -> tuple[dict, dict | None,
         raise SpecDecodeError(f"{', '.join(given + ['--route'] * args.route)}: the server's models are its own; "
                               "leave these out with --server")
     root, key = base_url(args.server), args.api_key or os.environ.get("SPECDECODE_API_KEY")
-    model = args.model or call(f"{root}/v1/models", key=key)["data"][0]["id"]
+    model = args.model or first_model(call(f"{root}/v1/models", key=key), root)
     chat = f"{root}/v1/chat/completions"
     answer = call(chat, request_body(args, model, messages, prediction, args.method), key)
     plain = call(chat, request_body(args, model, messages, None, "autoregressive"), key) if args.compare else None
