@@ -224,9 +224,11 @@ def scripted(monkeypatch):
     return calls
 
 
-def test_apply_prints_the_diff_of_the_answers_block(tiny_dirs, app_file, capsys, scripted):
+def test_apply_prints_the_diff_of_the_answers_block(tiny_dirs, app_file, capsys, scripted, monkeypatch):
+    import io
     target, _ = tiny_dirs
-    code, out, err = run_apply(capsys, app_file, INSTRUCTION, "--target", target, "--method", "pld")
+    monkeypatch.setattr("sys.stdin", io.StringIO(INSTRUCTION))  # INSTRUCTION "-": read from stdin
+    code, out, err = run_apply(capsys, app_file, "-", "--target", target, "--method", "pld")
     assert code == 0, err
     assert out == unified_diff(OLD, NEW, app_file.as_posix().lstrip("/"))
     assert app_file.read_text() == OLD and not app_file.with_name("app.py.orig").exists()
