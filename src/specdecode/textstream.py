@@ -99,7 +99,7 @@ class TextStream:
                 if self.interrupt is not None and self.interrupt():
                     interrupted = True
                     break
-        except Interrupted:  # while the prompt was read
+        except Interrupted:  # while the prompt was read, or a cache's text read again
             interrupted = True
         finally:
             self.steps.close()  # frees the loop if the consumer stops early
