@@ -172,6 +172,18 @@ def test_planner_fills_a_cheaper_bigger_pass():
     assert n == 1  # where the bigger pass costs more, the weak guesses are left out
 
 
+ZEN4 = CostModel({1: 1.0, 2: 1.5, 4: 2.8, 8: 6.9, 12: 8.9, 16: 7.5, 32: 14.0, 64: 27.0})  # llama.cpp's tiles
+
+
+def test_a_copy_is_cut_at_a_timed_pass_size():
+    """A sure copy of 19 tokens: a pass of 20 would be interpolated between the timed 16 and 32 (a tiled kernel may
+    cost more there); the ride takes the timed pass of 16, where a token costs least of the sizes it can fill."""
+    values = [1.0] * 19
+    assert best_cut(values, ZEN4, 0.0, keep_all=False, max_nodes=19)[1] == 19
+    assert best_cut(values, ZEN4, 0.0, keep_all=False, max_nodes=19, measured_only=True)[1] == 15
+    assert best_cut([1.0] * 70, ZEN4, 0.0, keep_all=False, max_nodes=70, measured_only=True)[1] == 63
+
+
 def test_lookup_tree_uses_the_cheaper_bigger_pass():
     """End to end through the tree drafter: a lookup chain of guesses is cut at 3 nodes (a pass of 4)
     where that pass is the cheaper one, at 1 node where passes grow monotonically."""

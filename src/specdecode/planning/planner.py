@@ -62,10 +62,12 @@ def pays(costs: CostModel, spent: float, e: float, n: int, v: float) -> bool:
     return (e + v) / (spent + costs.t(n + 2)) > e / (spent + costs.t(n + 1))
 
 
-def best_cut(values: list[float], costs: CostModel, spent: float, keep_all: bool, max_nodes: int):
+def best_cut(values: list[float], costs: CostModel, spent: float, keep_all: bool, max_nodes: int,
+             measured_only: bool = False):
     """(rate, N, expected tokens) of the best tree cut from nodes ranked by value (a node is never
     worth more than its parent, so any prefix of the ranking is a tree). keep_all: nothing may be
-    pruned (drawn nodes)."""
+    pruned (drawn nodes). measured_only: only passes of a size the cost model timed (a tiled kernel's cost
+    between two timed sizes may jump rather than follow the line between them)."""
     if keep_all:
         e = 1.0 + sum(values)
         return e / (spent + costs.t(len(values) + 1)), len(values), e
@@ -73,6 +75,8 @@ def best_cut(values: list[float], costs: CostModel, spent: float, keep_all: bool
     e = 1.0
     for n, v in enumerate(values[:max_nodes], 1):
         e += v
+        if measured_only and n + 1 not in costs.target:
+            continue
         rate = e / (spent + costs.t(n + 1))
         if rate > best[0]:
             best = (rate, n, e)

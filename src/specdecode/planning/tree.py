@@ -183,12 +183,13 @@ class TreeDrafter:
         return self._draft(self._select(params))
 
     def _ride(self, ids: list[int], depth: int) -> Draft | None:
-        """The followed copy's chain alone, cut where its modelled rate is best, if that rate beats plain
-        decoding's by RIDE_MARGIN (decided before anything is drawn: the choice never depends on a draw)."""
+        """The followed copy's chain alone, cut at the timed pass size where its modelled rate is best (the whole
+        measured curve: on tiled kernels some sizes cost far less per token than their neighbours), if that rate
+        beats plain decoding's by RIDE_MARGIN (decided before anything is drawn: the choice never depends on a draw)."""
         chain = self.lookup.copy_chain(ids, depth)
         if chain is None:
             return None
-        rate, n, _ = best_cut(chain.values, self._now, 0.0, keep_all=False, max_nodes=depth)
+        rate, n, _ = best_cut(chain.values, self._now, 0.0, keep_all=False, max_nodes=depth, measured_only=True)
         if n == 0 or rate < RIDE_MARGIN / self._now.t(1):
             return None
         for j, (x, v) in enumerate(zip(chain.tokens[:n], chain.values[:n])):
