@@ -30,6 +30,7 @@ class DraftModel:
         # on a long prompt it then reads a window instead of the whole prompt.
         self.window = window
         self.offset = 0
+        self.budget: int | None = None  # tokens of text the running generation may reach (reserve); None: unknown
 
     def truncate(self, keep) -> None:
         """FR-Spec (Zhao et al. 2025): keep only these rows of the draft's output layer (the most
@@ -64,6 +65,7 @@ class DraftModel:
         """Empty the draft's cache and size it for a text of n tokens: the view of it the draft sees (at most 1.5
         windows; a draft's depth fits in the room LM.reserve keeps beyond the text)."""
         self.reset()
+        self.budget = n
         w = self.view_window
         self.lm.reserve(n if w is None else min(n, w + w // 2))
 
@@ -72,9 +74,19 @@ class DraftModel:
         under 1.5 windows long (so the draft re-reads a window only every half window of text), else
         moved to n - window with the cache emptied."""
         w = self.view_window
-        if w is None or n - self.offset <= w + w // 2:
+        if w is None:
             return self.offset
-        return max(0, n - w)
+        offset = self.offset if n - self.offset <= w + w // 2 else max(0, n - w)
+        return self._late_start(offset, n) if not len(self.lm) else offset
+
+    def _late_start(self, offset: int, n: int) -> int:
+        """Where a view that begins now (nothing read yet, n tokens committed) starts instead of at `offset`: late
+        enough that the generation's whole text (its budget) stays within 1.5 windows, so that the draft never reads
+        a window again mid-generation, while at least half a window of the text so far stays in view."""
+        w, budget = self.view_window, self.budget
+        if w is None or budget is None or budget - offset <= w + w // 2:
+            return offset
+        return max(offset, min(budget - w - w // 2, n - w // 2))
 
     @property
     def view_window(self) -> int | None:
@@ -101,7 +113,8 @@ class DraftModel:
 
     def prefill(self, ids: list[int]) -> None:
         if self.room(len(ids) + 1):  # a prompt longer than the draft's context: it never drafts
-            self.offset = max(0, len(ids) - self.view_window) if self.window is not None else 0
+            w = self.view_window
+            self.offset = self._late_start(max(0, len(ids) - w), len(ids)) if w is not None else 0
             self.lm.reset()
             self.lm.forward(ids[self.offset:], last_only=True)
 
