@@ -218,7 +218,7 @@ def test_the_answer_is_the_apis_and_each_tokens_colour_its_source(tab, live):
 def test_a_prediction_turns_its_tokens_green(tab, live, tmp_path):
     message = "Rewrite: the quick brown fox jumps over the lazy dog"
     answer = api_stream(live.url, request(message, "autoregressive", 60))["text"]
-    tab.settings(method="lookup", max_tokens=60)
+    tab.settings(method="lookup", max_tokens=60, compare=True)  # plain decoding beside it, for the picture
     tab.send(message, prediction=answer)
     got = tab.tokens()
     assert "".join(t["text"] for t in got) == answer
@@ -228,7 +228,7 @@ def test_a_prediction_turns_its_tokens_green(tab, live, tmp_path):
     assert accepted >= len(predicted) > 0  # usage counts the prediction's tokens the answer holds
     api = api_stream(live.url, request(message, "lookup", 60, prediction={"type": "content", "content": answer}))
     assert [t["source"] for t in got] == [t["source"] for t in api["tokens"]]
-    shot = screenshot(tab, "webpage-prediction.png", tmp_path)
+    shot = screenshot(tab, "webpage.png", tmp_path)
     assert shot.stat().st_size < 200_000
 
 

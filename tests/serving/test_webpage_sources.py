@@ -2,6 +2,7 @@
 of the answer has its entries, in order, and their sources add up to the generation's own counts; for every method,
 greedy and sampled, one generation at a time and with batch slots; clients that do not ask see nothing new."""
 import json
+import re
 from collections import Counter
 
 import openai
@@ -96,6 +97,10 @@ def check(out: dict) -> list[dict]:
     n = out["usage"]["completion_tokens"]
     assert [t["token"] for t in tokens] == list(range(n))  # every token, once, in order
     assert "".join(t["text"] for t in tokens) == out["text"]
+    # one byte a token (byte_tokenizer): a character's text goes with its last byte, the tokens before it have none;
+    # bytes that make no character show as U+FFFD once the next byte settles it, with that byte's own text
+    odd = [(t["token"], t["text"]) for t in tokens if not re.fullmatch("\ufffd*.?", t["text"], re.S)]
+    assert odd == []
     spec = out["speculation"]
     copied = Counter(t["source"] for t in tokens if t["source"] != "target")
     assert dict(copied) == {s: c["accepted"] for s, c in spec["sources"].items() if c["accepted"]}

@@ -2,16 +2,19 @@
 
 A TextStream sends text, not tokens: it holds back the bytes of an unfinished character and any tail that could
 start a stop string, so a delta may hold part of a token, or several. `Provenance` watches the committed ids of
-one stream, measures each token's share of the text (a few-token window decoded with and without it) and hands
+one stream, measures each token's share of the text (the text its arrival settles: a character split across tokens
+goes with its last one; the window decoded is a few tokens since the last character boundary) and hands
 each delta its tokens: entries whose texts add up to the delta exactly, one per token, or more where a delta
 boundary falls inside a token (the same `token` index twice). With `rest()` at the end, every token of the
 answer has at least one entry, also those with no text (the end-of-text token, the first bytes of a character).
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 
-WINDOW = 4  # tokens decoded before the measured one: whole characters, and a tokenizer's leading-space context
+from ..textstream import TAIL_TOKENS, _local_decoder
+
 TARGET = "target"  # the target's own token at a step (its bonus or residual draw, or a plain step)
 
 
@@ -22,13 +25,19 @@ class Provenance:
     def __init__(self, stream, public=lambda source: source):
         """public: the source name a client may see for each recorded source (a server can hide one)."""
         self.stats, self.decode, self.public = stream.stats, stream.engine.decode, public
+        self._local = _local_decoder(stream.engine)
         self.ids: list[int] = []
         stream.steps = self._watch(stream.steps)
         self._queue: deque[list] = deque()  # [token, characters, info, entered]: tokens whose text is not all sent
         self._used = 0  # characters of the queue's first token already sent
         self._known = 0  # tokens measured and queued (or sent)
         self._last: dict | None = None  # the last token that got an entry: where unexplained text goes
-        self._pass = self._in_pass = 0  # the pass of token _known in stats._passes, and its place in that pass
+        self._pass = self._in_pass = 0  # the pass of token _known in stats.passes, and its place in that pass
+        # The window decoded for each new token, as TextStream's: ids[_context:], where ids[:_context] and
+        # ids[:_read] end between two characters and ids[_context:_read] (decoding to _prefix) give the tokens after
+        # them their context (a leading space); _settled: characters of the window past _prefix already measured.
+        self._context = self._read = self._settled = 0
+        self._prefix = ""
 
     def _watch(self, steps):
         try:
@@ -85,10 +94,26 @@ class Provenance:
                 self._info()
             self._known = n
         for k in range(self._known, n):
-            start = max(0, k - WINDOW)
-            before, after = _settled(self.decode(self.ids[start:k])), _settled(self.decode(self.ids[start:k + 1]))
-            self._queue.append([k, max(0, len(after) - len(before)), self._info(), False])
+            tail = self.decode(self.ids[self._context:k + 1])[len(self._prefix):]
+            settled = self._settled_length(tail, k + 1 - TAIL_TOKENS)
+            self._queue.append([k, max(0, settled - self._settled), self._info(), False])
+            self._settled = max(self._settled, settled)
+            if settled == len(tail):  # ids[:k + 1] end between two characters: the window moves past them
+                self._context, self._read = self._read, k + 1
+                self._prefix, self._settled = self.decode(self.ids[self._context:self._read]), 0
             self._known += 1
+
+    def _settled_length(self, tail: str, cut: int) -> int:
+        """How much of the window's text past _prefix the stream can send, by TextStream's rule: a trailing U+FFFD
+        waits for its character's last bytes, unless (where each character decodes from its own bytes) tokens before
+        the last TAIL_TOKENS made it, which no later byte can change."""
+        final = 0
+        if self._local and cut > self._read:
+            final = len(os.path.commonprefix([self.decode(self.ids[self._context:cut])[len(self._prefix):], tail]))
+        end = len(tail)
+        while end > final and tail[end - 1] == "\ufffd":
+            end -= 1
+        return end
 
     def _info(self) -> dict:
         """The source and pass of the next token (token _known), stepping the pass walk on by one token."""
@@ -99,8 +124,3 @@ class Provenance:
         source = sources[self._in_pass] if self._in_pass < len(sources) else TARGET
         self._in_pass += 1
         return {"source": self.public(source), "step": self._pass + 1, "drafted": drafted, "accepted": accepted}
-
-
-def _settled(text: str) -> str:
-    """The text less a trailing run of U+FFFD: a character whose last bytes may still come."""
-    return text.rstrip("\ufffd")

@@ -185,7 +185,7 @@ async function compare(messages, opts, answer, spec) {
   verdict.textContent = (same ? "The two answers are identical." : greedy
     ? "The two answers differ (greedy answers part only where the target's two best tokens nearly tie; exact mode rules that out)."
     : "The two answers differ, as two samples do.")
-    + ` Speculative ${spec.seconds.toFixed(2)} s, plain ${out.seconds.toFixed(2)} s: ${speedup.toFixed(2)}× the speed.`;
+    + ` Speculative ${spec.seconds.toFixed(2)} s, plain ${out.seconds.toFixed(2)} s: a speed-up of ${speedup.toFixed(2)}×.`;
   verdict.hidden = false;
 }
 
