@@ -3,11 +3,14 @@ cheapest plain step on a CPU) and on torch in bf16 (where the CPU's matrix units
 cost about one plain step, and a prompt is read several times faster). Each request runs whole, from its first
 token to its last, on the engine whose measured costs predict it ends first, so its output is that engine's
 target distribution; greedy answers of the two engines can differ at near-ties, as passes of different sizes
-can on one engine. Exact mode, and the methods that need the draft model, stay on llama.cpp.
+can on one engine. Exact mode, and the methods that need the draft model, stay on llama.cpp. The choice reads the
+prompt and the prediction, never `max_new_tokens`: a request cut shorter runs on the same engine, so its greedy
+text is a prefix of the longer one's. A request may pin an engine (`engine=`).
 
     >>> router = Router.load()                 # `--route`: llama.cpp, plus torch where it pays here
     >>> out = router.generate(prompt, prediction=old_file)
     >>> out.stats.engine                       # the engine that served it: "llama.cpp" or "torch"
+    >>> router.generate(prompt, engine="llama.cpp")  # pinned: the same numerics for every request
 
 Torch joins only where a bf16 matrix product over 16 rows measures at most FLAT_RATIO times one over a single
 row on this machine (`flat_ratio`: timed, never assumed from the CPU's name) and memory allows the bf16 copy.
@@ -29,7 +32,7 @@ from .planning.costs import machine_key
 
 FLAT_RATIO = 1.5  # torch joins where a 16-row bf16 product costs at most this many 1-row ones
 COPY_ALPHA = 0.95  # per-token acceptance a request with a prediction is planned with (an edit: a few edit points)
-DEFAULT_NEW = 256  # tokens a request without a prediction is priced at when its max_new_tokens is larger
+DEFAULT_NEW = 256  # tokens a request without a prediction is priced at (its max_new_tokens is not read)
 READ_TOKENS = 256  # the prompt read per engine to price prompts (seconds per prompt token)
 READ_REPEATS = 3  # its best of this many reads is kept: one read beside other work would stay cached, too slow
 ROUTED = {"auto", "lookup", "pld", "autoregressive"}  # methods that run on either engine (no draft model needed)
@@ -153,18 +156,30 @@ class Router:
         for engine in self.engines.values():
             engine.separate_encoder()
 
-    def stream(self, prompt, **kwargs):
+    def stream(self, prompt, engine: str | None = None, **kwargs):
+        """Engine.stream's arguments; `engine` pins the engine that runs it (default: the one predicted to end
+        first)."""
         method = kwargs.get("method", "auto")
-        pinned = kwargs.get("exact") or (kwargs.get("exact") is None and self.primary.exact) or method not in ROUTED
-        name = next(iter(self.engines))
-        if not pinned and len(self.engines) > 1:
+        first = next(iter(self.engines))
+        exact = kwargs.get("exact") or (kwargs.get("exact") is None and self.primary.exact)
+        on_first = exact or method not in ROUTED
+        if engine is not None:
+            if engine not in self.engines:
+                raise SpecDecodeError(f"engine {engine!r} is not loaded here; the engines are "
+                                      f"{' and '.join(map(repr, self.engines))}")
+            if on_first and engine != first:
+                why = "exact mode" if exact else f"method {method!r}"
+                raise SpecDecodeError(f"engine {engine!r} cannot run {why}, which runs on {first!r} only")
+        name = engine or first
+        if engine is None and not on_first and len(self.engines) > 1:
             prompt_ids = self.primary.encode(prompt, kwargs.get("chat", False))
             prediction = self.primary.encode_prediction(kwargs.get("prediction"))
             if prediction:  # the engine chosen drafts from these tokens: the text is tokenized once
                 kwargs["prediction"] = prediction
-            cap = kwargs.get("max_new_tokens", 128)
+            # priced by what the request is expected to write, not by max_new_tokens: the engine must not change with
+            # the cap, or an answer cut shorter would not be a prefix of the longer one
             drafts = METHOD_TABLE[method].drafts and bool(prediction)
-            new = min(cap, len(prediction)) if prediction else min(cap, DEFAULT_NEW)
+            new = len(prediction) if prediction else DEFAULT_NEW
             name = self.choose(len(prompt_ids), new, COPY_ALPHA if drafts else 0.0)
         stream = self.engines[name].stream(prompt, **kwargs)
         if len(self.engines) > 1:

@@ -25,7 +25,7 @@ def engine(costs, seed=0):
 @pytest.fixture(scope="module")
 def router():
     r = Router.__new__(Router)  # two engines with hand-made costs; no timing
-    r.engines = {"steep": engine(STEEP), "flat": engine(FLAT)}
+    r.engines = {"steep": engine(STEEP), "flat": engine(FLAT, seed=2)}  # other weights: a pin shows in the text
     r.primary = r.engines["steep"]
     r.read_s = {"steep": 0.12, "flat": 0.03}  # the flat engine reads prompts 4x faster
     r.choices = {"steep": 0, "flat": 0}
@@ -194,3 +194,35 @@ def test_the_prompt_read_price_is_the_best_of_several_reads(tmp_path, monkeypatc
     monkeypatch.setattr(routing, "READ_REPEATS", 1)
     reads.clear()
     assert routing.read_seconds(e, tokens=49) == pytest.approx(10.0 / 49)
+
+
+def test_the_engine_chosen_does_not_depend_on_max_new_tokens(router, monkeypatch):
+    """The same request cut shorter runs on the same engine (two engines round differently). Without a prediction
+    this prompt is priced as plain decoding: a 2-token cap would make its prompt read decide (the flat engine), a
+    40-token one its decoding (the steep one), were the cap read."""
+    prompt = "x = 1\n" * 34  # 204 tokens
+    engines = {cap: router.generate(prompt, max_new_tokens=cap).stats.engine for cap in (2, 40)}
+    assert engines == {2: "steep", 40: "steep"}
+    # with a prediction the request is priced by the prediction's length, whatever the cap
+    seen = []
+    monkeypatch.setattr(router, "choose", lambda *args: seen.append(args) or "flat")
+    old = "def add(a, b):\n    return a + b\n"
+    for cap in (1, 8, 500):
+        router.stream("Rename add to plus:\n" + old, max_new_tokens=cap, prediction=old)
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2] and seen[0][1] == len(old)
+
+
+def test_a_request_can_pin_an_engine(router):
+    """`engine=` runs the request on that engine (the choice would be the steep one), as if it ran there alone; an
+    engine not loaded, or one that cannot run what is asked (exact mode, the draft model), is an error naming it."""
+    pinned = router.generate("hi", max_new_tokens=12, engine="flat")
+    assert pinned.stats.engine == "flat" and router.generate("hi", max_new_tokens=12).stats.engine == "steep"
+    assert pinned.token_ids == router.engines["flat"].generate("hi", max_new_tokens=12).token_ids
+    assert pinned.token_ids != router.engines["steep"].generate("hi", max_new_tokens=12).token_ids
+    assert router.generate("hi", max_new_tokens=4, engine="steep", method="draft").stats.engine == "steep"
+    with pytest.raises(SpecDecodeError, match=r"^engine 'gpu' is not loaded here; the engines are 'steep' and 'flat'"):
+        router.stream("hi", engine="gpu")
+    with pytest.raises(SpecDecodeError, match=r"^engine 'flat' cannot run method 'draft'"):
+        router.stream("hi", engine="flat", method="draft")
+    with pytest.raises(SpecDecodeError, match=r"^engine 'flat' cannot run exact mode"):
+        router.stream("hi", engine="flat", exact=True)
