@@ -42,7 +42,7 @@ def text_budget(target: LM, prompt_tokens: int, max_new_tokens: int, exact: bool
 @contextmanager
 def interruptible(models: list[LM], interrupt: Interrupt | None):
     """While a generation runs, its interrupt is asked between the passes of any re-read of these models' caches
-    (LlamaLM.reserve, where a context is made anew); afterwards none is (an ended request's interrupt stays set)."""
+    (LlamaLM.reserve, where a context is made anew); afterwards none is (an ended request's may still say stop)."""
     for lm in models:
         lm.interrupt = interrupt
     try:
