@@ -25,7 +25,7 @@ import torch
 
 from .backends import compute
 from .engine import Engine
-from .errors import SpecDecodeError
+from .errors import InvalidField, SpecDecodeError
 from .host import cache_dir, memory_available, write_json
 from .methods import METHOD_TABLE
 from .planning.costs import machine_key
@@ -165,11 +165,11 @@ class Router:
         on_first = exact or method not in ROUTED
         if engine is not None:
             if engine not in self.engines:
-                raise SpecDecodeError(f"engine {engine!r} is not loaded here; the engines are "
-                                      f"{' and '.join(map(repr, self.engines))}")
+                raise InvalidField(f"engine {engine!r} is not loaded here; the engines are "
+                                   f"{' and '.join(map(repr, self.engines))}", param="engine")
             if on_first and engine != first:
                 why = "exact mode" if exact else f"method {method!r}"
-                raise SpecDecodeError(f"engine {engine!r} cannot run {why}, which runs on {first!r} only")
+                raise InvalidField(f"engine {engine!r} cannot run {why}, which runs on {first!r} only", param="engine")
         name = engine or first
         if engine is None and not on_first and len(self.engines) > 1:
             prompt_ids = self.primary.encode(prompt, kwargs.get("chat", False))
