@@ -25,6 +25,7 @@ MAX_GAMMA = 32  # draft tokens per target pass a request may ask for (a server's
 # bigger than the backend's cache holds (llama.cpp: 255 nodes) by its own check
 MAX_TREE_WIDTH, MAX_TREE_DEPTH, MAX_TREE_NODES = 16, 16, 128
 STOP_MAX = 4  # stop strings per request, as in OpenAI's API
+ENGINES = ("llama.cpp", "torch")  # the backends a request may pin (speculation.engine); a server holds one or both
 
 
 def _omit_none(value) -> bool:
@@ -46,6 +47,11 @@ class Speculation(BaseModel):
     tree_nodes: int | None = Field(None, le=MAX_TREE_NODES, description="tree: nodes per pass (default: cost model)")
     exact: bool | None = Field(None, description="exact greedy mode: output bit-for-bit plain decoding's (default: "
                                "the server's --exact); needs a server started with --exact and temperature 0")
+    engine: Literal[ENGINES] | None = Field(None, description="the engine that runs the request (default: with "
+                                            "--route, the one predicted to end first; responses name it in "
+                                            "speculation.engine and system_fingerprint). Two engines round "
+                                            "differently, so greedy text can differ between them at near-ties; "
+                                            "one the server does not hold is a 400")
 
 
 class StreamOptions(BaseModel):
@@ -198,6 +204,8 @@ class Usage(BaseModel):
 
 
 FinishReason = Literal["stop", "length"]
+FINGERPRINT_DOC = ("the engine that ran the request (llama.cpp or torch): with --route two engines whose greedy text "
+                   "can differ at near-ties; a request can pin one (speculation.engine)")
 SPECULATION_DOC = ("specdecode extension: the generation's statistics (Stats.as_dict(): method, gamma, drafted, "
                    "accepted, acceptance_rate, accepted_per_position, mean_accepted_tokens, timings, finish_reason)")
 
@@ -214,6 +222,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=FINGERPRINT_DOC)
     choices: list[CompletionChoice]
     usage: Usage
     speculation: dict[str, Any] = Field(description=SPECULATION_DOC)
@@ -236,6 +245,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=FINGERPRINT_DOC)
     choices: list[ChatChoice]
     usage: Usage
     speculation: dict[str, Any] = Field(description=SPECULATION_DOC)
@@ -272,6 +282,7 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=FINGERPRINT_DOC)
     choices: list[CompletionChunkChoice]
     usage: Usage | None = Field(**OMIT)
     speculation: dict[str, Any] | None = Field(**OMIT, description=SPECULATION_DOC)
@@ -297,6 +308,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=FINGERPRINT_DOC)
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(**OMIT)
     speculation: dict[str, Any] | None = Field(**OMIT, description=SPECULATION_DOC)
@@ -347,6 +359,7 @@ class APIError(Exception):
 # The request field an Engine message is about: the Engine names its own arguments in its messages.
 # Checked in order; the first match wins.
 _ENGINE_FIELDS = [
+    (r"^engine\b", "speculation.engine"),
     (r"^exact mode\b", "speculation.exact"),
     (r"applies to method", "speculation"),  # a tree dimension with another method: the two fields together
     (r"\btree_width\b", "speculation.tree_width"),

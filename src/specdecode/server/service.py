@@ -43,7 +43,7 @@ class EventStream(StreamingResponse):
 
     def __init__(self, content, worker: Worker, job: Job):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **engine_header(job)})
         self.worker, self.job = worker, job
 
     async def __call__(self, scope, receive, send):
@@ -72,6 +72,9 @@ class Service:
         self._tokenizing: anyio.CapacityLimiter | None = None  # at most REQUEST_TOKENIZERS requests at once (open)
         self.show_sources = show_sources  # per-source draft counts in responses (they tell of other outputs)
         self.histories: OrderedDict[str, History] = OrderedDict()  # per API key (its hash)
+        held = getattr(engine, "engines", None)  # a Router's engines by name (--route); an Engine is one
+        self.routed = isinstance(held, dict)
+        self.engine_names = tuple(held) if self.routed else (engine.backend,)
 
     def card(self) -> p.ModelCard:
         return p.ModelCard(id=self.model_id, created=self.created)
@@ -99,6 +102,7 @@ class Service:
         self._check_length(prompt, "messages" if endpoint == "chat" else "prompt")
         if body.prediction is not None:
             self._check_prediction(body.prediction.text())
+        self._check_engine(body.speculation)
         job = Job(await self.open(body, endpoint, prompt, self._history(request), self._scope(request)), endpoint,
                   self.timeout_s)
         if body.stream and body.stream_options and body.stream_options.include_sources:
@@ -111,7 +115,7 @@ class Service:
                 if kind == "error":
                     return error_response(value)
                 if kind == "end":
-                    return json_response(self.final(value, endpoint))
+                    return json_response(self.final(value, endpoint), headers=engine_header(job))
         except Disconnected:
             return Response(status_code=499)
         finally:
@@ -156,6 +160,13 @@ class Service:
             raise APIError(400, f"the prediction has {len(text)} characters, more than the {self.context} tokens of "
                                 "the model's context can hold", param="prediction", code="context_length_exceeded")
 
+    def _check_engine(self, spec) -> None:
+        """A pinned engine this server does not run is a 400 naming the field, before tokenizing."""
+        if spec is not None and spec.engine is not None and spec.engine not in self.engine_names:
+            raise APIError(400, f"speculation.engine is {spec.engine!r}, but this server runs "
+                                f"{' and '.join(map(repr, self.engine_names))}", param="speculation.engine",
+                           code="invalid_value")
+
     def _history(self, request: Request) -> History | None:
         """The output history of the request's API key (the bearer token it sends, whether or not the server asks
         for one), where the engine keeps a history at all: one key's outputs are never drafted from for another's."""
@@ -196,7 +207,8 @@ class Service:
                       seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop, chat=chat,
                       **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes", "exact")
                          if getattr(spec, k) is not None}, **({} if history is None else {"history": history}),
-                      cache_scope=scope, prediction=body.prediction.text() if body.prediction else None)
+                      cache_scope=scope, prediction=body.prediction.text() if body.prediction else None,
+                      **({"engine": spec.engine} if self.routed and spec.engine is not None else {}))
         param = "messages" if chat else "prompt"
         if self._tokenizing is None:
             self._tokenizing = anyio.CapacityLimiter(REQUEST_TOKENIZERS)
@@ -210,7 +222,9 @@ class Service:
                 raise APIError(400, f"the prediction has {len(predicted)} tokens; the model's context holds "
                                     f"{self.context}", param="prediction", code="context_length_exceeded")
             kwargs["prediction"] = predicted  # its tokens: a batch slot's Engine opens it again without tokenizing
-        stream.reopen = lambda engine: engine.stream(prompt, **kwargs)  # the same request on a batch slot's Engine
+        # the engine that runs it, named in the response: a Router's choice, or the one engine's backend
+        name = stream.stats.engine = stream.stats.engine or self.engine_names[0]
+        stream.reopen = lambda engine: _named(engine.stream(prompt, **kwargs), name)  # on a batch slot's Engine
         n = stream.stats.prompt_tokens
         room = self.context - n
         if room <= 0:
@@ -241,13 +255,16 @@ class Service:
 
     def final(self, end, endpoint: str) -> BaseModel:
         usage = p.Usage.of(end.prompt_tokens, end.completion_tokens, end.speculation)
+        fingerprint = end.speculation.get("engine")
         if endpoint == "chat":
             return p.ChatCompletionResponse(
                 id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
+                system_fingerprint=fingerprint,
                 choices=[p.ChatChoice(message=p.AssistantMessage(content=end.text), finish_reason=end.finish_reason)],
                 speculation=self._speculation(end.speculation))
         return p.CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
+            system_fingerprint=fingerprint,
             choices=[p.CompletionChoice(text=end.text, finish_reason=end.finish_reason)],
             speculation=self._speculation(end.speculation))
 
@@ -257,7 +274,7 @@ class Service:
         with finish_reason, usage and speculation, then `data: [DONE]`."""
         chat = endpoint == "chat"
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
-                    model=self.model_id)
+                    model=self.model_id, system_fingerprint=job.stream.stats.engine)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(text: str | None = None, finish: str | None = None, sources: list | None = None,
@@ -292,6 +309,17 @@ class Service:
             yield p.sse(APIError(500, "internal error during generation", type="server_error",
                                  code="internal_error").body())
         yield p.SSE_DONE
+
+
+def engine_header(job: Job) -> dict[str, str]:
+    """The response header naming the engine that runs the job (as system_fingerprint and speculation.engine do)."""
+    name = job.stream.stats.engine
+    return {"X-Specdecode-Engine": name} if name else {}
+
+
+def _named(stream, name: str):
+    stream.stats.engine = name
+    return stream
 
 
 def _normalizes(engine) -> bool:
