@@ -4,8 +4,8 @@ cost about one plain step, and a prompt is read several times faster). Each requ
 token to its last, on the engine whose measured costs predict it ends first, so its output is that engine's
 target distribution; greedy answers of the two engines can differ at near-ties, as passes of different sizes
 can on one engine. Exact mode, and the methods that need the draft model, stay on llama.cpp. The choice reads the
-prompt and the prediction, never `max_new_tokens`: a request cut shorter runs on the same engine, so its greedy
-text is a prefix of the longer one's. A request may pin an engine (`engine=`).
+prompt and the prediction, never `max_new_tokens`: a request cut shorter runs on the same engine, with the same
+numerics, as the longer one. A request may pin an engine (`engine=`).
 
     >>> router = Router.load()                 # `--route`: llama.cpp, plus torch where it pays here
     >>> out = router.generate(prompt, prediction=old_file)
@@ -176,8 +176,8 @@ class Router:
             prediction = self.primary.encode_prediction(kwargs.get("prediction"))
             if prediction:  # the engine chosen drafts from these tokens: the text is tokenized once
                 kwargs["prediction"] = prediction
-            # priced by what the request is expected to write, not by max_new_tokens: the engine must not change with
-            # the cap, or an answer cut shorter would not be a prefix of the longer one
+            # priced by what the request is expected to write, not by max_new_tokens: the cap must not move a request
+            # to the other engine, whose greedy text can differ at near-ties
             drafts = METHOD_TABLE[method].drafts and bool(prediction)
             new = len(prediction) if prediction else DEFAULT_NEW
             name = self.choose(len(prompt_ids), new, COPY_ALPHA if drafts else 0.0)
