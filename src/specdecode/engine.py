@@ -35,6 +35,10 @@ class Engine:
     >>> out.text, out.stats.mean_accepted_tokens
     >>> for delta in engine.stream("Hello", method="pld"): print(delta, end="")
 
+    What holds (docs/guide/guarantees.md): sampled output has exactly the target's distribution; greedy output is
+    plain decoding's except at near-ties of the target's top two logits (a k-token pass rounds differently from a
+    1-token one); with exact=True, plain decoding's bit for bit.
+
     A draft model whose context is shorter than the target's drafts only while the text fits in it (then
     the target goes on plainly, lookup guesses kept): the output is the same; only the speedup ends.
 

@@ -294,8 +294,11 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
             await anyio.to_thread.run_sync(worker.stop)
 
     app = FastAPI(title="specdecode", version=_version(), lifespan=lifespan,
-                  description="OpenAI-compatible completions with lossless speculative decoding. "
-                              "Extension: `speculation` in requests (method, gamma) and responses (stats).")
+                  description="OpenAI-compatible completions with speculative decoding: sampled output has the "
+                              "target's distribution, greedy output plain decoding's except at near-ties of the top "
+                              "two logits (bit for bit with `speculation.exact`). Extension: `speculation` in "
+                              "requests (method, gamma, exact, engine) and responses (stats); `system_fingerprint` "
+                              "names the engine that ran the request.")
     app.state.service, app.state.engine, app.state.worker, app.state.metrics = service, engine, worker, metrics
     app.state.model_id, app.state.engine_lock = model_id, worker.lock
     app.add_middleware(Gate, metrics=metrics, max_body_bytes=max_body_bytes)

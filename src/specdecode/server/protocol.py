@@ -37,7 +37,9 @@ OMIT = dict(default=None, exclude_if=_omit_none)  # an optional field that is le
 
 # -- requests ---------------------------------------------------------------------------------------------------------
 class Speculation(BaseModel):
-    """specdecode extension: how to speculate for this request (defaults: the server's)."""
+    """specdecode extension: how to speculate for this request (defaults: the server's). Whatever is chosen, sampled
+    output has exactly the target's distribution and greedy output is plain decoding's except at near-ties of the
+    target's top two logits; with `exact`, bit for bit."""
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Literal[METHODS] | None = Field(None, description=help_text())
     gamma: int | None = Field(None, le=MAX_GAMMA, description="draft tokens per target forward pass (chains)")
