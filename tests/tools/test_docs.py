@@ -1,13 +1,16 @@
 """The docs as a contract: the README's shape and set-up commands, dotted names that resolve, paths that
 exist, and the examples marked runnable run on the tiny test models.
 
-Runnable examples: a fenced ```python block right after a line `<!-- runnable -->` (invisible on GitHub and
-in the MkDocs site). It is run as written, with `Engine.load()` without a target loading the tiny test
-models instead of the default pair. `<!-- runnable: prediction -->` marks an example of predicted outputs
-(run the same way). `<!-- runnable: server -->`
-marks a client example: it runs against `specdecode serve`'s app on the tiny models, at the address the
-example names (http://127.0.0.1:8000, replaced by the test server's).
+Every fenced ```python block in the docs sits right after a marker line (invisible on GitHub and in the
+MkDocs site): `<!-- runnable -->` runs it as written, with `Engine.load()` without a target loading the tiny
+test models instead of the default pair. `<!-- runnable: prediction -->` marks an example of predicted outputs
+(run the same way). `<!-- runnable: server -->` marks a client example: it runs against `specdecode serve`'s
+app on the tiny models, at the address the example names (http://127.0.0.1:8000, replaced by the test
+server's). `<!-- runnable: llama.cpp -->` loads tiny GGUF models instead (what only llama.cpp runs, such as
+`Slots`). `<!-- not run: REASON -->` is for what the suite cannot run (a Ray cluster), with the reason.
+Examples run in a scratch directory holding what they read: `app.py`, and `~/ds`, a datastore of it.
 """
+import argparse
 import importlib
 import re
 import shlex
@@ -159,7 +162,23 @@ def test_readme_points_at_the_file_that_holds_the_loop():
 
 # --- (c) runnable examples --------------------------------------------------------------------------------
 
-RUNNABLE = re.compile(r"^<!-- runnable(?:: (?P<tag>[\w-]+))? -->\n```python\n(?P<code>.*?)^```$", re.M | re.S)
+RUNNABLE = re.compile(r"^<!-- runnable(?:: (?P<tag>[\w.-]+))? -->\n```python\n(?P<code>.*?)^```$", re.M | re.S)
+MARKER = re.compile(r"<!-- (runnable(: [\w.-]+)?|not run: \S.*) -->")
+
+
+def unmarked_python_blocks(text: str) -> list[int]:
+    """Line numbers of the ```python blocks that are neither marked runnable nor marked not run with a reason."""
+    lines = text.split("\n")
+    return [i + 1 for i, line in enumerate(lines)
+            if re.match(r"```\s*py(thon)?\b", line) and not (i and MARKER.fullmatch(lines[i - 1]))]
+
+
+def test_every_python_block_in_the_docs_is_run_or_says_why_not():
+    found = {rel(p): unmarked_python_blocks(p.read_text()) for p in doc_files()}
+    assert {path: lines for path, lines in found.items() if lines} == {}
+    assert unmarked_python_blocks("text\n```python\nprint(1)\n```\n") == [2]
+    assert unmarked_python_blocks("<!-- not run: -->\n```python\nprint(1)\n```\n") == [2]  # a reason is required
+    assert unmarked_python_blocks("<!-- not run: needs a GPU -->\n```python\nprint(1)\n```\n") == []
 
 
 def runnable_examples() -> list:
@@ -181,13 +200,10 @@ def shared_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("docs-cache")  # pass costs of the tiny models, measured once for the module
 
 
-@pytest.fixture
-def tiny_load(tiny_dirs, shared_cache, monkeypatch):
-    """Engine.load() without a target loads the tiny test models (torch) instead of the default pair."""
+def load_instead_of_the_default_pair(monkeypatch, target, draft):
+    """Engine.load() without a target loads (target, draft) instead of the default pair."""
     from specdecode import Engine
-    monkeypatch.setenv("SPECDECODE_CACHE", str(shared_cache))
     real = Engine.load.__func__
-    target, draft = tiny_dirs
 
     def load(cls, target_name=None, draft_name=None, **kwargs):
         if target_name is None:
@@ -198,14 +214,40 @@ def tiny_load(tiny_dirs, shared_cache, monkeypatch):
     return Engine
 
 
+@pytest.fixture
+def tiny_load(tiny_dirs, shared_cache, monkeypatch):
+    """Engine.load() without a target loads the tiny test models (torch) instead of the default pair."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(shared_cache))
+    return load_instead_of_the_default_pair(monkeypatch, *tiny_dirs)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory, tiny_dirs):
+    """The directory the examples run in and their home: `app.py` and `~/ds`, a datastore of it (tiny tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from specdecode.drafters.datastore import index_files
+    root = tmp_path_factory.mktemp("docs-scratch")
+    (root / "app.py").write_text("def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n")
+    index_files([str(root / "app.py")], AutoTokenizer.from_pretrained(tiny_dirs[0]), root / "ds", progress=False)
+    return root
+
+
 SERVED_AT = "http://127.0.0.1:8000"
 SERVED_MODEL = "qwen2.5-coder-1.5b-instruct"  # the default pair's name, which the examples send
 
 
 @pytest.mark.parametrize("code, tag", runnable_examples())
-def test_runnable_example(code, tag, tiny_load, capsys):
-    assert tag in (None, "prediction", "server"), f"unknown runnable tag {tag!r}"
+def test_runnable_example(code, tag, tiny_load, scratch, monkeypatch, capsys):
+    assert tag in (None, "prediction", "server", "llama.cpp"), f"unknown runnable tag {tag!r}"
+    monkeypatch.chdir(scratch)
+    monkeypatch.setenv("HOME", str(scratch))
     srv = None
+    if tag == "llama.cpp":
+        pytest.importorskip("llama_cpp")
+        from tinygguf import write_tiny_gguf
+        ggufs = [write_tiny_gguf(scratch / f"tiny-{seed}.gguf", seed, hidden=128) for seed in (0, 1)]
+        load_instead_of_the_default_pair(monkeypatch, *ggufs)
     if tag == "server":
         from helpers import LiveServer
         from specdecode.server.app import create_app
@@ -258,3 +300,52 @@ def test_quickstart_commands_run(argv, tiny_dirs, shared_cache, tmp_path, monkey
         extra += ["--max-new-tokens", "24"]
     assert main(argv[1:] + extra) == 0
     assert capsys.readouterr().out.strip()
+
+
+# --- the command-line synopsis in the methods guide against the parser ---------------------------------------
+
+SYNOPSIS_COMMANDS = ("generate", "index", "bench")
+SYNOPSIS_OPTION = re.compile(r"(--[a-z][\w-]*)(?: ([^\s\[\]]+))?")
+
+
+def synopses(text: str) -> dict[str, str]:
+    """The synopsis block under "## Command line", one joined line per subcommand: {"generate": "...", ...}."""
+    block = text.split("## Command line\n```\n", 1)[1].split("```", 1)[0]
+    out: dict[str, str] = {}
+    for line in block.split("\n"):
+        if line.startswith("specdecode "):
+            command = line.split()[1]
+            out[command] = line
+        elif line.strip():
+            out[command] += " " + line.strip()
+    return out
+
+
+def parser_options(command: str) -> dict[str, argparse.Action]:
+    from specdecode.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {o: a for a in sub.choices[command]._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+
+
+def synopsis_problems(command: str, text: str) -> list[str]:
+    """Options the synopsis leaves out or makes up, and `a|b|c` lists that differ from the parser's choices."""
+    shown = dict(SYNOPSIS_OPTION.findall(synopses(text)[command]))
+    options = parser_options(command)
+    problems = [f"{command}: {o} missing" for o in options if o not in shown]
+    problems += [f"{command}: {o} is not an option" for o in shown if o not in options]
+    problems += [f"{command}: {o} {v} but the parser takes {'|'.join(map(str, options[o].choices))}"
+                 for o, v in shown.items() if o in options and options[o].choices and "|" in v
+                 and set(v.split("|")) != set(map(str, options[o].choices))]
+    return problems
+
+
+@pytest.mark.parametrize("command", SYNOPSIS_COMMANDS)
+def test_the_synopsis_in_the_methods_guide_matches_the_parser(command):
+    assert synopsis_problems(command, (DOCS / "guide" / "methods.md").read_text()) == []
+
+
+def test_the_synopsis_check_fails_on_a_missing_or_made_up_option():
+    text = (DOCS / "guide" / "methods.md").read_text()
+    assert synopsis_problems("generate", text.replace("[--exact]", "")) == ["generate: --exact missing"]
+    assert synopsis_problems("index", text.replace("--out DIR", "--out DIR [--no-such]")) == ["index: --no-such is not an option"]
+    assert synopsis_problems("generate", text.replace("auto|torch|llama.cpp", "auto|torch"))
