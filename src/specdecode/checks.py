@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import SpecDecodeError, positive_int
+from .errors import InvalidField, positive_int
 
 if TYPE_CHECKING:
     from .params import SamplingParams
@@ -18,7 +18,7 @@ FIXED_TREE_NODES = 256  # nodes per pass of a tree whose size the cost model doe
 def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop=None, tree_width=None, tree_depth=None,
                   tree_nodes=None) -> SamplingParams:
-    """SpecDecodeError with a message for the first bad argument; the sampling settings otherwise."""
+    """InvalidField naming the first bad argument; the sampling settings otherwise."""
     from .methods import METHOD_TABLE, get_method
     from .params import SamplingParams
     params = SamplingParams(temperature, top_k, top_p)
@@ -27,16 +27,16 @@ def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int =
         positive_int(name, value)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stops):
-        raise SpecDecodeError("stop strings must be non-empty strings")
+        raise InvalidField("stop strings must be non-empty strings", param="stop")
     if sum(map(len, stops)) > STOP_CHARS_MAX:
-        raise SpecDecodeError(f"stop strings must hold at most {STOP_CHARS_MAX} characters in all, "
-                              f"got {sum(map(len, stops))}")
+        raise InvalidField(f"stop strings must hold at most {STOP_CHARS_MAX} characters in all, "
+                           f"got {sum(map(len, stops))}", param="stop")
     for name, value in (("tree_width", tree_width), ("tree_depth", tree_depth), ("tree_nodes", tree_nodes)):
         if value is not None:
             positive_int(name, value)
         if value is not None and not m.tree_options:
             takes = " or ".join(repr(n) for n, t in METHOD_TABLE.items() if t.tree_options)
-            raise SpecDecodeError(f"{name} applies to method {takes} only (method is {method!r})")
+            raise InvalidField(f"{name} applies to method {takes} only (method is {method!r})", param=name)
     return params
 
 
@@ -48,11 +48,11 @@ def tree_nodes_cap(request, lms) -> int:
     caps = [lm.max_tree_nodes for lm in lms if lm is not None and lm.max_tree_nodes is not None]
     cap = min(caps, default=None)
     if cap is not None and request.tree_nodes is not None and request.tree_nodes > cap:
-        raise SpecDecodeError(f"tree_nodes must be at most {cap} with this model: its cache holds {cap} tree nodes "
-                              f"per pass (got {request.tree_nodes})")
+        raise InvalidField(f"tree_nodes must be at most {cap} with this model: its cache holds {cap} tree nodes "
+                           f"per pass (got {request.tree_nodes})", param="tree_nodes")
     depth = request.tree_depth or MAX_DEPTH  # the draft model reads up to width frontier nodes per depth
     if cap is not None and request.tree_width is not None and request.tree_width * depth > cap:
-        raise SpecDecodeError(f"tree_width x tree_depth must be at most {cap} with this model: its cache holds {cap} "
-                              f"tree nodes (got {request.tree_width} x {depth}; the depth is {MAX_DEPTH} at most "
-                              "when the cost model chooses it)")
+        raise InvalidField(f"tree_width x tree_depth must be at most {cap} with this model: its cache holds {cap} "
+                           f"tree nodes (got {request.tree_width} x {depth}; the depth is {MAX_DEPTH} at most "
+                           "when the cost model chooses it)", param="tree_width")
     return request.tree_nodes or min(cap or FIXED_TREE_NODES, FIXED_TREE_NODES)

@@ -12,7 +12,7 @@ from .backends import as_lm, torch_threads_for
 from .checks import check_request, positive_int, tree_nodes_cap
 from .drafters import (DRAFT_WINDOW, Datastore, DraftModel, History, Lookup, PromptLookup,
                        check_compatible, followed, tokenizer_fingerprint)
-from .errors import SpecDecodeError
+from .errors import InvalidField, SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits, padding
 from .lease import Lease, tokenizer_lock
 from .methods import METHOD_TABLE, NO, DraftRequest, method_names
@@ -177,25 +177,27 @@ class Engine:
         elif isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         else:
-            raise SpecDecodeError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+            raise InvalidField(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}",
+                               param="prompt")
         if chat:
             if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-                raise SpecDecodeError("chat messages must be a non-empty list of {'role': ..., 'content': str}")
+                raise InvalidField("chat messages must be a non-empty list of {'role': ..., 'content': str}",
+                                   param="prompt")
             if not any(m["content"].strip() for m in messages):
-                raise SpecDecodeError("the prompt is empty")
+                raise InvalidField("the prompt is empty", param="prompt")
             if getattr(self.encoder, "chat_template", None) is None:
-                raise SpecDecodeError("this tokenizer has no chat template; pass a plain prompt instead")
+                raise InvalidField("this tokenizer has no chat template; pass a plain prompt instead", param="prompt")
             with tokenizer_lock(self.encoder):
                 text = self.encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         else:
             text = prompt
         if not text:
-            raise SpecDecodeError("the prompt is empty")
+            raise InvalidField("the prompt is empty", param="prompt")
         # a chat template writes its own special tokens; a raw prompt gets the model's (e.g. BOS)
         with tokenizer_lock(self.encoder):
             ids = self.encoder(text, add_special_tokens=not chat)["input_ids"]
         if not ids:
-            raise SpecDecodeError("the prompt is empty after tokenization")
+            raise InvalidField("the prompt is empty after tokenization", param="prompt")
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:
@@ -210,7 +212,7 @@ class Engine:
         if isinstance(prediction, tuple) and all(isinstance(t, int) for t in prediction):
             return prediction or None
         if not isinstance(prediction, str):
-            raise SpecDecodeError(f"prediction must be a string, got {type(prediction).__name__}")
+            raise InvalidField(f"prediction must be a string, got {type(prediction).__name__}", param="prediction")
         if not prediction:
             return None
         with tokenizer_lock(self.encoder):
@@ -253,7 +255,8 @@ class Engine:
         prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
         exact = (self.exact and params.greedy) if exact is None else exact  # the Engine's default: greedy requests
         if exact and not params.greedy:
-            raise SpecDecodeError("exact mode is for greedy decoding (temperature 0); sampling is exact in distribution")
+            raise InvalidField("exact mode is for greedy decoding (temperature 0); sampling is exact in distribution",
+                               param="exact")
         limits = self.exact_limits() if exact else None
         m = METHOD_TABLE[method]
         request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens,
@@ -392,7 +395,7 @@ class Engine:
 
     def _draft_drafter(self, request: DraftRequest):
         if self.draft_model is None:
-            raise SpecDecodeError("method 'draft' needs a draft model (pass --draft / draft=...)")
+            raise InvalidField("method 'draft' needs a draft model (pass --draft / draft=...)", param="method")
         return self.draft_model
 
     def _tree_error(self, draft_model) -> str | None:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .drafters.base import Draft
-from .errors import SpecDecodeError
+from .errors import InvalidField, SpecDecodeError
 from .host import cache_dir, write_json
 from .sampling import argmax
 
@@ -234,8 +234,8 @@ def choose(lm) -> ExactLimits:
 def limits(lm, progress: bool = False) -> ExactLimits:
     """The measured ExactLimits of this LM, read from the cache or measured once and stored."""
     if not lm.exact:
-        raise SpecDecodeError(f"exact mode needs a target loaded for it ({lm.backend} model {lm.name}: load it with "
-                              "exact=True / --exact; on llama.cpp that turns flash attention on)")
+        raise InvalidField(f"exact mode needs a target loaded for it ({lm.backend} model {lm.name}: load it with "
+                           "exact=True / --exact; on llama.cpp that turns flash attention on)", param="exact")
     key = hashlib.sha256(f"{FORMAT}|{lm.describe()}".encode()).hexdigest()[:16]
     path = cache_dir() / "exact" / f"{key}.json"
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import SpecDecodeError
+from .errors import InvalidField
 from .params import SamplingParams
 
 REQUIRED, OPTIONAL, NO = "required", "optional", "no"  # Method.needs_draft_model
@@ -111,11 +111,12 @@ def method_names() -> tuple[str, ...]:
 
 
 def get_method(name: str) -> Method:
-    """The table's entry for `name`; SpecDecodeError naming the choices when there is none."""
+    """The table's entry for `name`; InvalidField naming the choices when there is none."""
     try:
         return METHOD_TABLE[name]
     except (KeyError, TypeError):
-        raise SpecDecodeError(f"unknown method {name!r}; choose one of {', '.join(METHOD_TABLE)}") from None
+        raise InvalidField(f"unknown method {name!r}; choose one of {', '.join(METHOD_TABLE)}",
+                           param="method") from None
 
 
 def names_where(**needs) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import SpecDecodeError
+from .errors import InvalidField
 
 
 @dataclass(frozen=True)
@@ -17,11 +17,11 @@ class SamplingParams:
     def __post_init__(self):
         t, k, p = self.temperature, self.top_k, self.top_p
         if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-            raise SpecDecodeError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise InvalidField(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}", param="temperature")
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise SpecDecodeError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+            raise InvalidField(f"top_k must be an integer >= 0 (0 = off), got {k!r}", param="top_k")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
-            raise SpecDecodeError(f"top_p must be in (0, 1], got {p!r}")
+            raise InvalidField(f"top_p must be in (0, 1], got {p!r}", param="top_p")
 
     @property
     def greedy(self) -> bool:

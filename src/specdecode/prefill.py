@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from .backends import LM
 from .drafters import Drafter
-from .errors import Interrupted, SpecDecodeError
+from .errors import ContextExceeded, Interrupted
 from .sampling import argmax
 from .stats import Stats
 
@@ -62,8 +62,8 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     the same scope (LM.keep_prefix); the draft reads the text anew (lazily, where its drafter does). interrupt: asked
     between the prompt's passes (exact mode: those plain decoding reads in); Interrupted when it says to stop."""
     if len(prompt_ids) >= target.max_length:
-        raise SpecDecodeError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
-                              f"{target.max_length}, so no token can be generated")
+        raise ContextExceeded(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
+                              f"{target.max_length}, so no token can be generated", param="prompt")
     keep = target.keep_prefix(prompt_ids, scope)  # 0: the cache emptied
     target.owner = None  # until the prompt is in: a failed read leaves nothing to reuse
     stats.cached_prompt_tokens = keep

@@ -7,14 +7,15 @@ import time
 import pytest
 
 from specdecode.stats import Generation, Stats
-from specdecode.errors import SpecDecodeError
-from specdecode.server.scheduler import Disconnected, End, Job, Metrics, QueueFull, Worker
+from specdecode.errors import ContextExceeded, Overloaded, SpecDecodeError
+from specdecode.server.scheduler import Disconnected, End, Job, Metrics, Worker
 
 
 class FakeStream:
     """What Engine.stream returns, reduced to what the worker uses: iteration, .stats, .result."""
 
-    def __init__(self, deltas, gate: threading.Event | None = None, delay: float = 0.0, error: str | None = None):
+    def __init__(self, deltas, gate: threading.Event | None = None, delay: float = 0.0,
+                 error: SpecDecodeError | None = None):
         self.deltas, self.gate, self.delay, self.error = list(deltas), gate, delay, error
         self.stats = Stats(method="pld", prompt_tokens=3)
         self.result = None
@@ -26,7 +27,7 @@ class FakeStream:
         if self.gate is not None:
             assert self.gate.wait(30)
         if self.error:
-            raise SpecDecodeError(self.error)
+            raise self.error
         try:
             for d in self.deltas:
                 self.stats.new_tokens += 1
@@ -86,7 +87,7 @@ def test_full_queue_refuses_and_retry_after_counts_the_jobs_ahead(worker):
         worker.submit(jobs[1])
         worker.submit(jobs[2])
         assert worker.busy and worker.queued == 2
-        with pytest.raises(QueueFull):
+        with pytest.raises(Overloaded):
             worker.submit(Job(FakeStream(["w"]), "completions", 60))
         assert worker.retry_after() == 3  # the mean job time starts at 1 s; one running, two waiting
         gate.set()
@@ -169,7 +170,7 @@ def test_deadlines(worker):
         return events
 
     (kind, err), = asyncio.run(main())
-    assert kind == "error" and err.status == 503 and err.code == "timeout" and int(err.headers["Retry-After"]) >= 1
+    assert kind == "error" and err.status == 503 and err.code == "timeout" and int(err.headers()["Retry-After"]) >= 1
     assert worker.queued == 0 and generations(worker, "timeout") == 2
 
 
@@ -197,14 +198,15 @@ def test_keepalive_ticks_only_while_waiting(worker):
 
 def test_engine_error_at_the_start_is_a_400_and_the_worker_goes_on(worker):
     async def main():
-        bad = await collect(worker, _submit(worker, Job(FakeStream([], error="the prompt has 9 tokens; the model's "
-                                                                          "context holds 8"), "completions", 60)))
+        too_long = ContextExceeded("the prompt has 9 tokens; the model's context holds 8", param="prompt")
+        bad = await collect(worker, _submit(worker, Job(FakeStream([], error=too_long), "chat", 60)))
         good = await collect(worker, _submit(worker, Job(FakeStream(["ok"]), "completions", 60)))
         return bad, good
 
     bad, good = asyncio.run(main())
     (kind, err), = bad
     assert kind == "error" and err.status == 400 and err.message.startswith("the prompt has 9 tokens")
+    assert err.code == "context_length_exceeded" and err.param == "messages"  # the chat's name for the prompt
     assert good[-1][1].text == "ok" and generations(worker, "error") == 1
 
 

@@ -20,6 +20,7 @@ from helpers import LiveServer, http
 from tiny import build_engine, byte_tokenizer
 
 from specdecode import METHODS, Engine, SpecDecodeError
+from specdecode.errors import ContextExceeded, EngineUnavailable
 from specdecode.cli import main
 from specdecode.server import create_app, engine_lock
 
@@ -221,7 +222,7 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_nodes": 129}}, 400, None,
      "speculation.tree_nodes"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "pld", "tree_depth": 2}}, 400, None,
-     "speculation"),
+     "speculation.tree_depth"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, None, "messages"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, None, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, None, "messages.0.content"),
@@ -266,7 +267,7 @@ ENGINE_CHECKED = [
     ({"speculation": {"method": "draft", "gamma": 0}}, dict(method="draft", gamma=0), "speculation.gamma"),
     ({"speculation": {"method": "pld", "gamma": -3}}, dict(method="pld", gamma=-3), "speculation.gamma"),
     ({"speculation": {"method": "tree", "tree_nodes": 0}}, dict(method="tree", tree_nodes=0), "speculation.tree_nodes"),
-    ({"speculation": {"method": "pld", "tree_width": 2}}, dict(method="pld", tree_width=2), "speculation"),
+    ({"speculation": {"method": "pld", "tree_width": 2}}, dict(method="pld", tree_width=2), "speculation.tree_width"),
 ]
 
 
@@ -1033,22 +1034,20 @@ class _RaisingStream(_ControlledStream):
             yield delta
 
 
-ENGINE_FAULTS = [  # (the backend's message, after how many deltas, status, code)
-    ("llama_decode failed with status 1 (3 tokens of a batched pass; 4096 cells shared by 4 slots)", 2, 503,
-     "engine_unavailable"),
-    ("llama.cpp context overflow: 4000 + 200 tokens (+ 64 parked cells) > 4096 cache cells", 1, 503,
-     "engine_unavailable"),
-    ("a tree pass of 600 tokens exceeds llama.cpp's batch of 512", 2, 500, "engine_error"),
-    ("the prompt has 5000 tokens; the model's context holds 4096, so no token can be generated", 0, 400,
+ENGINE_FAULTS = [  # (the backend's error, after how many deltas, status, code): its class decides, not its words
+    (EngineUnavailable("llama_decode failed with status 1 (3 tokens of a batched pass)"), 2, 503, "engine_unavailable"),
+    (EngineUnavailable("the prompt has 5000 tokens"), 1, 503, "engine_unavailable"),
+    (SpecDecodeError("llama_decode failed: a tree pass of 600 tokens exceeds llama.cpp's batch"), 2, 500,
+     "engine_error"),
+    (ContextExceeded("llama.cpp context overflow: 4000 + 200 tokens", param="prompt"), 0, 400,
      "context_length_exceeded"),
 ]
 
 
-@pytest.mark.parametrize("message, after, status, code", ENGINE_FAULTS, ids=[f[3] + str(f[1]) for f in ENGINE_FAULTS])
-def test_an_engine_error_mid_generation_is_the_servers_fault_unless_the_clients(message, after, status, code):
+@pytest.mark.parametrize("error, after, status, code", ENGINE_FAULTS, ids=[f[3] + str(f[1]) for f in ENGINE_FAULTS])
+def test_an_engine_error_mid_generation_is_the_servers_fault_unless_the_clients(error, after, status, code):
     ctl = ControlledEngine(build_engine())
-    ctl.stream = lambda prompt, **kw: _RaisingStream(ctl._engine.stream(prompt, **kw), ctl, SpecDecodeError(message),
-                                                     after)
+    ctl.stream = lambda prompt, **kw: _RaisingStream(ctl._engine.stream(prompt, **kw), ctl, error, after)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     try:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}

@@ -25,11 +25,11 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checks import positive_int
-from ..errors import SpecDecodeError
+from ..errors import (InvalidField, MethodNotAllowed, NotFound, RequestTooLarge, ServerFault, SpecDecodeError,
+                      Unauthorized)
 from ..methods import METHOD_TABLE, REQUIRED, get_method, wants_draft_model
 from . import GRACEFUL_SHUTDOWN_S, protocol as p
 from .metrics import Metrics
-from .protocol import APIError
 from .scheduler import Worker
 from .service import Service, error_response, json_response
 
@@ -83,7 +83,8 @@ class Gate:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
-                    raise StarletteHTTPException(413, too_large(self.max_body).message)
+                    # Starlette's own exception: FastAPI turns others raised while it reads a body into a 400
+                    raise StarletteHTTPException(RequestTooLarge.status, too_large(self.max_body).message)
             return message
         return limited
 
@@ -100,8 +101,7 @@ class BearerKey(HTTPBearer):
         credentials = await super().__call__(request)
         # header values are decoded as latin-1: back to the bytes the client sent, as the key's UTF-8
         if credentials is None or not hmac.compare_digest(credentials.credentials.strip().encode("latin-1"), self.key):
-            raise APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise Unauthorized("invalid or missing API key: send the header 'Authorization: Bearer <key>'")
         return credentials
 
 
@@ -127,9 +127,8 @@ def _content_length(scope) -> int:
     return 0
 
 
-def too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
-                    code="request_too_large")
+def too_large(limit: int) -> RequestTooLarge:
+    return RequestTooLarge(f"the request body is larger than this server's limit of {limit} bytes")
 
 
 # -- routes: each gets the app's Service from request.app.state ---------------------------------------------------------
@@ -181,8 +180,7 @@ def _add_routes(app: FastAPI, service: Service, api_key: str | None) -> None:
             if isinstance(e, jinja2.TemplateSyntaxError):  # the template itself is broken: the server's fault
                 raise
             # raise_exception in the model's chat template: it refuses these messages (their roles' order, say)
-            raise APIError(400, f"the model's chat template refused the messages: {e}", param="messages",
-                           code="invalid_value") from None
+            raise InvalidField(f"the model's chat template refused the messages: {e}", param="messages") from None
 
     app.add_api_route("/health", health, methods=["GET"], response_model=p.Health, tags=["server"])
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["server"], response_class=Response,
@@ -219,12 +217,12 @@ def _check_text(texts: list[str], param: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise APIError(400, f"the {param} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character "
-                                f"{e.start}), which is not text; send UTF-8 text or a surrogate pair", param=param,
-                           code="invalid_value") from None
+            raise InvalidField(f"the {param} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character "
+                               f"{e.start}), which is not text; send UTF-8 text or a surrogate pair",
+                               param=param) from None
 
 
-async def _api_error(request, exc: APIError):
+async def _api_error(request, exc: SpecDecodeError):
     return error_response(exc)
 
 
@@ -232,14 +230,20 @@ async def _invalid(request, exc: RequestValidationError):
     return error_response(p.validation_error(exc.errors()))
 
 
+# Starlette's own refusals (routing, static files, the Gate's 413), each the error of its status
+_HTTP_ERRORS = {404: NotFound, 405: MethodNotAllowed, 413: RequestTooLarge}
+
+
 async def _http_error(request, exc: StarletteHTTPException):
-    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-    return error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)))
+    # Starlette's status and headers (a 405's Allow) in OpenAI's shape; a status not listed (a static file's range)
+    # keeps its number
+    err = _HTTP_ERRORS.get(exc.status_code, SpecDecodeError)(str(exc.detail))
+    return json_response(p.error_body(err), exc.status_code, getattr(exc, "headers", None))
 
 
 async def _crash(request, exc: Exception):
     log.exception("unhandled error")
-    return error_response(APIError(500, "internal server error", type="server_error", code="internal_error"))
+    return error_response(ServerFault("internal server error"))
 
 
 def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s, keepalive_s, api_key) -> None:
@@ -302,7 +306,7 @@ def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, 
     app.state.service, app.state.engine, app.state.worker, app.state.metrics = service, engine, worker, metrics
     app.state.model_id, app.state.engine_lock = model_id, worker.lock
     app.add_middleware(Gate, metrics=metrics, max_body_bytes=max_body_bytes)
-    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(SpecDecodeError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _crash)

@@ -2,21 +2,20 @@
 OpenAI error shape, and how bad input becomes an error.
 
 Bounds on values the Engine checks (temperature >= 0, top_p in (0, 1], gamma >= 1, stop strings not
-empty, ...) are not repeated here: the Engine's SpecDecodeError becomes a 400 with its own message
-(engine_error). What stays here is the protocol itself: types, OpenAI's own limits (temperature <= 2,
-4 stop strings, n = 1), what this server allows a request to ask for (max_tokens, gamma and tree caps),
-and the OpenAI fields it does not implement.
+empty, ...) are not repeated here: the Engine's InvalidField becomes a 400 with its own message, its field
+named as the request names it (engine_error). What stays here is the protocol itself: types, OpenAI's own limits
+(temperature <= 2, 4 stop strings, n = 1), what this server allows a request to ask for (max_tokens, gamma and tree
+caps), and the OpenAI fields it does not implement.
 """
 # No `from __future__ import annotations`: request_models builds classes at run time, and pydantic must
 # resolve their annotations where they are created.
 import json
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import METHODS
-from ..errors import SpecDecodeError
+from ..errors import InvalidField, InvalidJSON, MissingField, SpecDecodeError, UnsupportedParameter
 from ..methods import help_text
 
 MAX_GAMMA = 32  # draft tokens per target pass a request may ask for (a server's limit; the Engine has none)
@@ -154,14 +153,14 @@ def _same(a, b) -> bool:
     return isinstance(a, bool) == isinstance(b, bool) and a == b
 
 
-def unsupported(body: BaseModel) -> "APIError | None":
+def unsupported(body: BaseModel) -> UnsupportedParameter | None:
     """A 400 for the first OpenAI field in the request that asks for something this server does not do."""
     for name, value in (body.model_extra or {}).items():
         harmless = UNSUPPORTED.get(name)
         if harmless is not None and not any(_same(value, ok) for ok in harmless):
             allowed = " or ".join(json.dumps(ok) for ok in harmless)
-            return APIError(400, f"{name} is not supported by this server (send {allowed}, or leave it out)",
-                            param=name, code="unsupported_parameter")
+            return UnsupportedParameter(f"{name} is not supported by this server (send {allowed}, or leave it out)",
+                                        param=name)
     return None
 
 
@@ -345,55 +344,33 @@ SSE_KEEPALIVE = ": keep-alive\n\n"  # a comment line: clients ignore it, proxies
 
 
 # -- errors -----------------------------------------------------------------------------------------------------------
-class APIError(Exception):
-    """An error answered in OpenAI's shape, {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> ErrorBody:
-        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+def error_body(e: SpecDecodeError) -> ErrorBody:
+    """An error in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: its class says type and code."""
+    return ErrorBody(error=ErrorDetail(message=e.message, type=e.type, param=e.param, code=e.code))
 
 
-# The request field an Engine message is about: the Engine names its own arguments in its messages.
-# Checked in order; the first match wins.
-_ENGINE_FIELDS = [
-    (r"^engine\b", "speculation.engine"),
-    (r"^exact mode\b", "speculation.exact"),
-    (r"applies to method", "speculation"),  # a tree dimension with another method: the two fields together
-    (r"\btree_width\b", "speculation.tree_width"),
-    (r"\btree_depth\b", "speculation.tree_depth"),
-    (r"\btree_nodes\b", "speculation.tree_nodes"),
-    (r"\bgamma\b", "speculation.gamma"),
-    (r"\btemperature\b", "temperature"),
-    (r"\btop_k\b", "top_k"),
-    (r"\btop_p\b", "top_p"),
-    (r"\bmax_new_tokens\b", "max_tokens"),
-    (r"\bstop strings?\b", "stop"),
-    (r"\bmethod\b", "speculation.method"),
-    (r"\bprompt\b|\bmessages\b|chat template", "{prompt}"),
-]
+# The request field each Engine argument comes from ("{prompt}": the prompt or the messages); others keep their name.
+WIRE_FIELDS = {"prompt": "{prompt}", "max_new_tokens": "max_tokens", "method": "speculation.method",
+               "gamma": "speculation.gamma", "tree_width": "speculation.tree_width",
+               "tree_depth": "speculation.tree_depth", "tree_nodes": "speculation.tree_nodes",
+               "exact": "speculation.exact", "engine": "speculation.engine"}
 
 
-def engine_error(e: SpecDecodeError, prompt_param: str = "prompt") -> APIError:
-    """The Engine's rejection of the request, as a 400 with the Engine's message."""
-    message = " ".join(str(e).split())
-    param = next((p for pattern, p in _ENGINE_FIELDS if re.search(pattern, message)), None)
-    return APIError(400, message, param=param and param.format(prompt=prompt_param), code="invalid_value")
+def engine_error(e: SpecDecodeError, prompt_param: str = "prompt") -> SpecDecodeError:
+    """The Engine's rejection of a request, its field (`param`, the Engine's name) named as the request names it."""
+    if e.param is None:
+        return e
+    return e.about(WIRE_FIELDS.get(e.param, e.param).format(prompt=prompt_param))
 
 
-def validation_error(errors: list[dict]) -> APIError:
+def validation_error(errors: list[dict]) -> SpecDecodeError:
     """pydantic's errors for a request body as one 400: the first error per field, up to four."""
     if not errors:
-        return APIError(400, "invalid request")
+        return SpecDecodeError("invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return APIError(400, f"the request body is not valid JSON{': ' + str(detail) if detail else ''}",
-                        code="invalid_json")
+        return InvalidJSON(f"the request body is not valid JSON{': ' + str(detail) if detail else ''}")
     parts: dict[str, str] = {}  # param -> message: the first error per place (unions report one per member)
     for err in errors:
         loc = list(err.get("loc", ()))
@@ -410,8 +387,8 @@ def validation_error(errors: list[dict]) -> APIError:
             parts[path] = "the request body must be a JSON object"
     messages = list(parts.values())
     text = "; ".join(messages[:4]) + (f"; and {len(messages) - 4} more" if len(messages) > 4 else "")
-    code = "missing_field" if first.get("type") == "missing" else "invalid_value"
-    return APIError(400, text, param=next(iter(parts)) or None, code=code)
+    kind = MissingField if first.get("type") == "missing" else InvalidField
+    return kind(text, param=next(iter(parts)) or None)
 
 
 def _is_type_tag(x) -> bool:

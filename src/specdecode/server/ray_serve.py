@@ -171,15 +171,14 @@ class ReplicaFault:
                     pass
 
     async def _finish(self, state, scope, receive, send):
-        from .protocol import APIError, SSE_DONE, sse
-        err = APIError(503, "the replica serving this request stopped before it finished; retry the request",
-                       type="server_error", code="replica_unavailable",
-                       headers={"Retry-After": str(self.RETRY_AFTER_S)})
+        from .protocol import SSE_DONE, error_body, sse
+        err = ReplicaLost("the replica serving this request stopped before it finished; retry the request",
+                          retry_after=self.RETRY_AFTER_S)
         if not state["started"]:
             from .service import error_response
             await error_response(err)(scope, receive, send)
         elif state["sse"]:
-            body = (sse(err.body()) + SSE_DONE).encode()
+            body = (sse(error_body(err)) + SSE_DONE).encode()
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

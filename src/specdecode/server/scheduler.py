@@ -3,8 +3,8 @@
 The Engine is not thread-safe (one KV cache per model), so every generation runs on this one thread. A job is an
 Engine TextStream that the request handler already opened (validated and tokenized) but that has not started. The
 worker iterates it and hands each event to the job's asyncio queue (loop.call_soon_threadsafe): ("delta", text) for
-each piece of text, then ("end", End) or ("error", APIError). Worker.events reads them on the request's side; nothing
-here knows about HTTP.
+each piece of text, then ("end", End) or ("error", a typed SpecDecodeError: errors.py). Worker.events reads them on
+the request's side; nothing here knows about HTTP.
 
 Cancellation: a waiting job is taken out of the queue; a running one stops at its next step (the stream's `interrupt`,
 checked after every step whether or not it emitted text, and between the passes of the prompt's read). A client that goes away is noticed within POLL_S, while its
@@ -17,7 +17,6 @@ import asyncio
 import collections
 import logging
 import math
-import re
 import threading
 import time
 import weakref
@@ -25,10 +24,11 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..host import name_thread
-from ..errors import SpecDecodeError
+from ..errors import (ContextExceeded, EngineFailed, EngineUnavailable, Overloaded, QueueTimeout, ServerFault,
+                      ShuttingDown, SpecDecodeError, Unavailable)
 from .affinity import slot_for
 from .metrics import Metrics
-from .protocol import APIError, engine_error
+from .protocol import engine_error
 from .provenance import Provenance
 
 log = logging.getLogger("specdecode.server")
@@ -49,14 +49,6 @@ def engine_lock(engine) -> threading.Lock:
         return lock
 
 
-class QueueFull(Exception):
-    pass
-
-
-class ShuttingDown(Exception):
-    """The server began shutting down: no new job is taken."""
-
-
 class Disconnected(Exception):
     """The client went away while its request waited for an event."""
 
@@ -71,27 +63,21 @@ class End:
     speculation: dict  # Stats.as_dict(), plus queue_s; finish_reason "timeout" when the deadline cut it
 
 
-def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+def shutting_down() -> ShuttingDown:
+    return ShuttingDown("the server is shutting down")
 
 
-# The Engine's errors once a generation runs (its request was checked when it was opened): what the server ran
-# into, not what the client asked for. Those where retrying helps (the cache was full or short of memory, perhaps
-# through other generations sharing it) are 503s with Retry-After; the rest 500s. Checked in order.
-_CLIENT_FAULTS = [(re.compile(r"^the prompt has \d+ tokens; the model's context holds"), 400, "context_length_exceeded")]
-_RETRYABLE = re.compile(r"llama_decode failed|context overflow|could not create a context|can grow only between passes")
-
-
-def generation_error(e: SpecDecodeError, endpoint: str, retry_after: int) -> APIError:
-    """An Engine error raised while a job ran, as the error its client gets."""
-    message = " ".join(str(e).split())
-    for pattern, status, code in _CLIENT_FAULTS:
-        if pattern.search(message):
-            return APIError(status, message, param="messages" if endpoint == "chat" else "prompt", code=code)
-    if _RETRYABLE.search(message):
-        return APIError(503, f"the server could not run this generation now ({message}); retry later",
-                        type="server_error", code="engine_unavailable", headers={"Retry-After": str(retry_after)})
-    return APIError(500, f"the generation failed: {message}", type="server_error", code="engine_error")
+def generation_error(e: SpecDecodeError, endpoint: str, retry_after: int) -> SpecDecodeError:
+    """An Engine error raised while a job ran, as the error its client gets, by its class: the request was checked
+    when it was opened, so what a generation runs into is the server's, but a prompt longer than a slot's context
+    (the client's: 400); a passing fault (the cache full or short of memory, perhaps through other generations
+    sharing it) is a 503 with Retry-After; the rest are 500s."""
+    if isinstance(e, ContextExceeded):
+        return engine_error(e, "messages" if endpoint == "chat" else "prompt")
+    if isinstance(e, Unavailable):
+        return EngineUnavailable(f"the server could not run this generation now ({e.message}); retry later",
+                                 retry_after=retry_after)
+    return EngineFailed(f"the generation failed: {e.message}")
 
 
 class Job:
@@ -167,30 +153,31 @@ class Worker:
             ahead = (len(self._waiting) + len(self._running)) / len(self._engines)
         return max(1, min(600, math.ceil(self._mean_s * ahead)))
 
-    def queue_timeout(self) -> APIError:
-        return APIError(503, "the request waited in the queue longer than the server's timeout", type="server_error",
-                        code="timeout", headers={"Retry-After": str(self.retry_after())})
+    def queue_timeout(self) -> QueueTimeout:
+        return QueueTimeout("the request waited in the queue longer than the server's timeout",
+                            retry_after=self.retry_after())
 
     # -- the request side ---------------------------------------------------------------------------------------------
     def check_room(self) -> None:
-        """QueueFull or ShuttingDown if submit would refuse a job now (checked before a request's expensive work)."""
+        """Overloaded or ShuttingDown if submit would refuse a job now (checked before a request's expensive work)."""
         with self._cv:
-            if self._closed:
-                raise ShuttingDown
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull
+            self._refuse()
 
     def submit(self, job: Job) -> None:
-        """Queue the job; QueueFull when max_queue jobs wait already, ShuttingDown once the server is closing."""
+        """Queue the job; Overloaded when max_queue jobs wait already, ShuttingDown once the server is closing."""
         with self._cv:
-            if self._closed:
-                raise ShuttingDown
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull
+            self._refuse()
             self._waiting.append(job)
             self._stopping = False  # a server that stopped and starts again (same app) serves again
             self._ensure_thread()
             self._cv.notify_all()
+
+    def _refuse(self) -> None:  # holds _cv (a reentrant lock: retry_after takes it too)
+        if self._closed:
+            raise shutting_down()
+        if len(self._waiting) >= self.max_queue:
+            raise Overloaded(f"the server is busy ({self.max_queue} requests waiting); retry later",
+                             retry_after=self.retry_after())
 
     def cancel(self, job: Job) -> None:
         """The client is gone: drop the job if it waits, stop it at its next delta if it runs; a no-op once
@@ -327,17 +314,16 @@ class Worker:
                         self._run(job, engine_lock(engine), lambda: self._free(i, job))
             except Exception:  # never let the worker die
                 log.exception("generation failed")
-                self._fail(job, APIError(500, "internal error during generation", type="server_error",
-                                         code="internal_error"))
+                self._fail(job, ServerFault("internal error during generation"))
             finally:
                 self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - t0)
                 self._free(i, job)
                 if not job.ended and (job.shutdown or not job.cancelled.is_set()):
                     # a job taken, then stopped by a shutdown before it ran: its client still hears why
-                    job.push(("error", shutting_down() if job.shutdown else APIError(
-                        500, "the generation ended without a result", type="server_error", code="internal_error")))
+                    job.push(("error", shutting_down() if job.shutdown else ServerFault(
+                        "the generation ended without a result")))
 
-    def _fail(self, job: Job, err: APIError) -> None:
+    def _fail(self, job: Job, err: SpecDecodeError) -> None:
         """The job's generation failed: its last event, and the failure counted by status and code."""
         self.metrics.generations.labels(finish_reason="error").inc()
         self.metrics.errors.labels(status=str(err.status), code=err.code or "").inc()

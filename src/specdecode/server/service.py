@@ -17,11 +17,10 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from ..drafters import History
-from ..errors import SpecDecodeError
+from ..errors import ContextExceeded, InvalidField, ModelNotFound, ServerFault, SpecDecodeError
 from ..methods import uses_cost_model
 from . import protocol as p
-from .protocol import APIError
-from .scheduler import Disconnected, Job, QueueFull, ShuttingDown, Worker, shutting_down
+from .scheduler import Disconnected, Job, Worker
 
 log = logging.getLogger("specdecode.server")
 
@@ -34,8 +33,9 @@ def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] |
     return Response(model.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
 
 
-def error_response(err: APIError) -> Response:
-    return json_response(err.body(), err.status, err.headers)
+def error_response(err: SpecDecodeError) -> Response:
+    """The error as its class answers it: status, OpenAI's body, headers (Retry-After, WWW-Authenticate)."""
+    return json_response(p.error_body(err), err.status, err.headers())
 
 
 class EventStream(StreamingResponse):
@@ -81,8 +81,7 @@ class Service:
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
-                           param="model", code="model_not_found")
+            raise ModelNotFound(f"the model {model!r} does not exist; this server serves {self.model_id!r}")
 
     async def completions(self, body, request: Request) -> Response:
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
@@ -124,17 +123,10 @@ class Service:
 
     def _admit(self, job: Job | None = None) -> None:
         """Queue the job, or (without one) check that the queue has room for one: a 503 when it has not."""
-        try:
-            if job is None:
-                self.worker.check_room()
-            else:
-                self.worker.submit(job)
-        except QueueFull:
-            raise APIError(503, f"the server is busy ({self.worker.max_queue} requests waiting); retry later",
-                           type="server_error", code="queue_full",
-                           headers={"Retry-After": str(self.worker.retry_after())}) from None
-        except ShuttingDown:
-            raise shutting_down() from None
+        if job is None:
+            self.worker.check_room()
+        else:
+            self.worker.submit(job)
 
     def _check_length(self, prompt, param: str) -> None:
         """A prompt with more characters than the context's tokens could cover is refused before tokenizing."""
@@ -142,9 +134,8 @@ class Service:
         factor = 2 if self.normalized else 1  # a normalizer may shorten the text (composing characters)
         most = None if self.token_chars is None else factor * self.token_chars * self.context
         if most is not None and chars > most:
-            raise APIError(400, f"the prompt has {chars} characters, more than the {self.context} tokens of the "
-                                "model's context can hold, so no token can be generated", param=param,
-                           code="context_length_exceeded")
+            raise ContextExceeded(f"the prompt has {chars} characters, more than the {self.context} tokens of the "
+                                  "model's context can hold, so no token can be generated", param=param)
 
     def _check_prediction(self, text: str) -> None:
         """Before tokenizing: a prediction that is no text (a lone UTF-16 surrogate) or that has more characters than
@@ -152,20 +143,19 @@ class Service:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise APIError(400, f"the prediction holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at "
-                                f"character {e.start}), which is not text; send UTF-8 text or a surrogate pair",
-                           param="prediction", code="invalid_value") from None
+            raise InvalidField(f"the prediction holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at "
+                               f"character {e.start}), which is not text; send UTF-8 text or a surrogate pair",
+                               param="prediction") from None
         most = None if self.token_chars is None else (2 if self.normalized else 1) * self.token_chars * self.context
         if most is not None and len(text) > most:
-            raise APIError(400, f"the prediction has {len(text)} characters, more than the {self.context} tokens of "
-                                "the model's context can hold", param="prediction", code="context_length_exceeded")
+            raise ContextExceeded(f"the prediction has {len(text)} characters, more than the {self.context} tokens "
+                                  "of the model's context can hold", param="prediction")
 
     def _check_engine(self, spec) -> None:
         """A pinned engine this server does not run is a 400 naming the field, before tokenizing."""
         if spec is not None and spec.engine is not None and spec.engine not in self.engine_names:
-            raise APIError(400, f"speculation.engine is {spec.engine!r}, but this server runs "
-                                f"{' and '.join(map(repr, self.engine_names))}", param="speculation.engine",
-                           code="invalid_value")
+            raise InvalidField(f"speculation.engine is {spec.engine!r}, but this server runs "
+                               f"{' and '.join(map(repr, self.engine_names))}", param="speculation.engine")
 
     def _history(self, request: Request) -> History | None:
         """The output history of the request's API key (the bearer token it sends, whether or not the server asks
@@ -219,8 +209,8 @@ class Service:
         predicted = getattr(stream, "prediction_ids", None)
         if predicted is not None:
             if len(predicted) > self.context:
-                raise APIError(400, f"the prediction has {len(predicted)} tokens; the model's context holds "
-                                    f"{self.context}", param="prediction", code="context_length_exceeded")
+                raise ContextExceeded(f"the prediction has {len(predicted)} tokens; the model's context holds "
+                                      f"{self.context}", param="prediction")
             kwargs["prediction"] = predicted  # its tokens: a batch slot's Engine opens it again without tokenizing
         # the engine that runs it, named in the response: a Router's choice, or the one engine's backend
         name = stream.stats.engine = stream.stats.engine or self.engine_names[0]
@@ -228,12 +218,11 @@ class Service:
         n = stream.stats.prompt_tokens
         room = self.context - n
         if room <= 0:
-            raise APIError(400, f"the prompt has {n} tokens; the model's context holds {self.context}, so no token "
-                                "can be generated", param=param, code="context_length_exceeded")
+            raise ContextExceeded(f"the prompt has {n} tokens; the model's context holds {self.context}, so no token "
+                                  "can be generated", param=param)
         if body.max_tokens is not None and body.max_tokens > room:
-            raise APIError(400, f"the prompt has {n} tokens and max_tokens is {body.max_tokens}, but the model's "
-                                f"context holds {self.context} tokens; ask for at most {room}",
-                           param="max_tokens", code="context_length_exceeded")
+            raise ContextExceeded(f"the prompt has {n} tokens and max_tokens is {body.max_tokens}, but the model's "
+                                  f"context holds {self.context} tokens; ask for at most {room}", param="max_tokens")
         return stream
 
     def warm_up(self) -> None:
@@ -303,11 +292,10 @@ class Service:
                         last = p.ChatCompletionChunk if chat else p.CompletionChunk
                         yield p.sse(last(**head, choices=[], usage=usage))
                 else:  # an error after the stream began
-                    yield p.sse(value.body())
+                    yield p.sse(p.error_body(value))
         except Exception:  # never a silently truncated stream: the last event says what happened
             log.exception("stream failed")
-            yield p.sse(APIError(500, "internal error during generation", type="server_error",
-                                 code="internal_error").body())
+            yield p.sse(p.error_body(ServerFault("internal error during generation")))
         yield p.SSE_DONE
 
 

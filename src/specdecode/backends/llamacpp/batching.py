@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from ...errors import SpecDecodeError
+from ...errors import EngineUnavailable, SpecDecodeError
 from .. import compute
 from ..base import common_start
 from .lm import MAX_SEQ, N_BATCH, LlamaLM
@@ -184,7 +184,8 @@ class SharedContext:
         cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.ctx = lc.llama_init_from_model(lm._model, cparams)
         if not self.ctx:
-            raise SpecDecodeError(f"llama.cpp could not create a context of {cells} cells for {slots} slots (memory?)")
+            raise EngineUnavailable(f"llama.cpp could not create a context of {cells} cells for {slots} slots "
+                                    "(memory?)")
         self.mem = lc.llama_get_memory(self.ctx)
         self.cells = int(lc.llama_n_ctx(self.ctx))
         self._batch = lc.llama_batch_init(N_BATCH, 0, MAX_SEQ)
@@ -267,8 +268,8 @@ class SharedContext:
         with self.lock:
             rc = compute.call(lc.llama_decode, self.ctx, batch)
             if rc != 0:
-                raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched pass; "
-                                      f"{self.cells} cells shared by {len(self.slots)} slots)")
+                raise EngineUnavailable(f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched "
+                                        f"pass; {self.cells} cells shared by {len(self.slots)} slots)")
             if not n_out:
                 return np.zeros((0, self.lm.vocab_size), np.float32)
             return np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n_out, self.lm.vocab_size)).copy()

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import Interrupted, SpecDecodeError
+from ...errors import EngineUnavailable, Interrupted, SpecDecodeError
 from .. import compute
 from .amx import amx_usable
 from ..base import LM, no_autograd
@@ -214,8 +214,8 @@ class LlamaLM(LM):
         self._cparams.n_ctx = self._asked = max(cells, N_BATCH)  # llama.cpp caps a batch at the context's size
         self._ctx = lc.llama_init_from_model(self._model, self._cparams)
         if not self._ctx:
-            raise SpecDecodeError(f"llama.cpp could not create a context for {self.path} (n_ctx={cells}; "
-                                  "out of memory?)")
+            raise EngineUnavailable(f"llama.cpp could not create a context for {self.path} (n_ctx={cells}; "
+                                    "out of memory?)")
         self._mem = lc.llama_get_memory(self._ctx)
         self._cells = int(lc.llama_n_ctx(self._ctx))
 
@@ -235,7 +235,7 @@ class LlamaLM(LM):
         if n + MAX_SEQ + self.parked <= self._cells:
             return
         if self.trunk != len(self.ids):
-            raise SpecDecodeError("the llama.cpp context can grow only between passes (no tree cached)")
+            raise EngineUnavailable("the llama.cpp context can grow only between passes (no tree cached)")
         self._move(want)
 
     def _move(self, cells: int) -> None:
@@ -306,8 +306,8 @@ class LlamaLM(LM):
         if start + n + self.parked > self._cells and start + n <= self.max_length + MAX_SEQ and self.trunk == start:
             self.reserve(start + n)
         if start + n + self.parked > self._cells:
-            raise SpecDecodeError(f"llama.cpp context overflow: {start} + {n} tokens (+ {self.parked} parked cells) "
-                                  f"> {self._cells} cache cells")
+            raise EngineUnavailable(f"llama.cpp context overflow: {start} + {n} tokens (+ {self.parked} parked cells) "
+                                    f"> {self._cells} cache cells")
         bad = [t for t in new_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {self.vocab_size}")
@@ -394,8 +394,8 @@ class LlamaLM(LM):
         batch.n_tokens = len(tokens)
         rc = compute.call(lc.llama_decode, self._ctx, batch)  # one thread for every pass (compute.py)
         if rc != 0:
-            raise SpecDecodeError(f"llama_decode failed with status {rc} ({len(tokens)} tokens, "
-                                  f"{len(self.ids)} cached, n_ctx {self.max_length})")
+            raise EngineUnavailable(f"llama_decode failed with status {rc} ({len(tokens)} tokens, "
+                                    f"{len(self.ids)} cached, n_ctx {self.max_length})")
         if not n_out:
             return None
         ptr = lc.llama_get_logits(self._ctx)
