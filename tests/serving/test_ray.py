@@ -100,6 +100,36 @@ def test_serve_ray_that_cannot_start_exits_with_one_line(tiny_dirs, monkeypatch,
     assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == ray_serve.PROXY_CALLBACK
 
 
+@pytest.mark.parametrize("connected, started_here", [(True, False), (False, False), (False, True)],
+                         ids=["connected-before", "attached", "started-here"])
+def test_a_failed_start_shuts_serve_down_only_on_a_cluster_started_here(monkeypatch, connected, started_here):
+    """serve.shutdown() stops every Serve application of the cluster: after a failed start it runs only where this
+    process started the cluster itself, never where it attached to one ($RAY_ADDRESS, a `ray start`)."""
+    ray = pytest.importorskip("ray")
+    from types import SimpleNamespace
+    from ray import serve
+    state = {"initialized": connected}
+    shutdowns = []
+
+    def init(**kwargs):
+        state["initialized"] = True
+        monkeypatch.setattr(ray._private.worker, "_global_node", SimpleNamespace(head=started_here))
+
+    def failing_start(**kwargs):
+        raise RuntimeError("ActorDiedError: the proxy failed its readiness check")
+
+    monkeypatch.setattr(ray._private.worker, "_global_node", SimpleNamespace(head=False) if connected else None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: state.update(initialized=False))
+    monkeypatch.setattr(serve, "start", failing_start)
+    monkeypatch.setattr(serve, "shutdown", lambda: shutdowns.append(1))
+    with pytest.raises(ray_serve.SpecDecodeError, match="did not start"):
+        ray_serve.start("127.0.0.1", 8765)
+    assert len(shutdowns) == (ray_serve.START_TRIES if started_here else 0)
+    assert state["initialized"] == connected  # a connection this call made is closed; one it found is kept
+
+
 def test_replica_is_ready_only_after_load_and_cost_measurement(tiny_dirs):
     """The replica's constructor (what Ray Serve waits for before it routes to it) loads the models and measures
     the pass costs; its app carries the replica id in a header and in every metric sample."""

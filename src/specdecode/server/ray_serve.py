@@ -245,10 +245,11 @@ def start(host: str = "127.0.0.1", port: int = 8000, *, address: str | None = No
             return
         except Exception as e:  # Ray's own errors (ActorDiedError, RaySystemError, ...) share no base class
             error = e
-            try:
-                serve.shutdown()
-            except Exception:
-                pass
+            if ours and _started_here(ray):  # a half-started Serve before the next try; a shared one is not ours
+                try:
+                    serve.shutdown()
+                except Exception:
+                    pass
     if ours:
         try:
             ray.shutdown()
@@ -257,6 +258,14 @@ def start(host: str = "127.0.0.1", port: int = 8000, *, address: str | None = No
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     raise SpecDecodeError(f"Ray Serve did not start its HTTP proxy on {host}:{port} ({START_TRIES} tries; a busy "
                           f"machine, or the port taken?): {type(error).__name__}: {first}")
+
+
+def _started_here(ray) -> bool:
+    """Whether this process started the Ray cluster it is connected to (not attached to one: $RAY_ADDRESS, a local
+    `ray start`), so that shutting Serve down there stops no one else's applications. Ray tells it only through its
+    node object; False where that cannot be read."""
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    return getattr(node, "head", False) is True
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
