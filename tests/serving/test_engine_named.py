@@ -114,3 +114,26 @@ def test_a_server_of_one_engine_names_it_and_refuses_a_pin_to_another(tiny_engin
         assert r.json()["error"]["message"] == "speculation.engine is 'llama.cpp', but this server runs 'torch'"
     finally:
         srv.stop()
+
+
+def test_a_server_on_batch_slots_names_the_engine_of_the_slot_that_ran_it(tmp_path):
+    """A request opened on the engine runs on a slot's Engine (opened again there): that one's answer names it too."""
+    pytest.importorskip("llama_cpp")
+    from tiny import byte_tokenizer
+    from tinygguf import write_tiny_gguf
+
+    from specdecode import Engine
+    from specdecode.backends.llamacpp import LlamaLM
+    from specdecode.slots import Slots
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
+    e = Engine(LlamaLM(gguf, threads=1), byte_tokenizer())
+    e.progress = False
+    srv = LiveServer(create_app(e, model_id=MODEL, method="autoregressive", gamma=1, slots=Slots(e, 2)))
+    try:
+        assert named(post(srv, "hi", 4)) == "llama.cpp"
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}
+        with http.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert r.headers["x-specdecode-engine"] == "llama.cpp" and chunks[-1]["speculation"]["engine"] == "llama.cpp"
+    finally:
+        srv.stop()
