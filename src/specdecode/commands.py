@@ -124,7 +124,7 @@ def backend_args(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     parser.add_argument("--draft-quant", choices=DRAFT_QUANT_CHOICES, default="auto",
                         help="llama.cpp: run the draft in its fastest type here (auto, measured once), keep the "
-                             "file's (none) or force one; the draft never changes the output")
+                             "file's (none) or force one; the draft never changes the output's law")
     parser.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                         help="torch: keep only the K most frequent tokens in the draft's output layer (FR-Spec; "
                              "frequencies from --draft-vocab-from or --datastore); a lighter draft, same output")

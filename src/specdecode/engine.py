@@ -116,7 +116,7 @@ class Engine:
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
         "torch" or "llama.cpp" (routing.Router.load: a GGUF target on both, each request on the faster). draft_quant (llama.cpp): "auto" runs the draft in whichever of its
-        file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output),
+        file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output's law),
         "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine.
         draft_vocab (torch): truncate the draft's output layer to this many most frequent tokens of
         draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab. draft_window: the

@@ -165,7 +165,7 @@ def _pass_costs(results: dict) -> list[str]:
             lines.append("| draft d(k)/T(1) | " + " | ".join(_f(costs["draft"].get(k)) for k in ks) + " |")
         dq = cfg.get("draft_quant") or {}
         if dq.get("one_token_s"):
-            lines.append("\nDraft requantized for speed (the draft never changes the output): one-token draft pass, "
+            lines.append("\nDraft requantized for speed (the target decides every token): one-token draft pass, "
                          "as a share of a target pass (c): " + ", ".join(
                              f"{n} ({dq['file_type'].get(n, n)}) {s / costs['target_s_1']:.2f}" + (" ← chosen" if n == dq["chosen"] else "")
                              for n, s in dq["one_token_s"].items()))

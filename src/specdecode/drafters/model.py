@@ -26,7 +26,7 @@ class DraftModel:
         self.vocab_size = vocab_size  # the target's V: q must live on the same support as p
         self.keep: torch.Tensor | None = None  # the token ids the output layer still has (None: all)
         # the draft sees only the last `window` tokens or so (None: all of them): ids[offset:] at positions
-        # 0, 1, ... of its own cache. The draft never changes the output, so what it sees is free to choose;
+        # 0, 1, ... of its own cache. The target decides every token, so what the draft sees is free to choose;
         # on a long prompt it then reads a window instead of the whole prompt.
         self.window = window
         self.offset = 0

@@ -1,6 +1,6 @@
 """A faster draft on llama.cpp: requantize its GGUF file once, into whichever type is fastest here.
 
-Draft weights never change the output (the target verifies every token), so the draft may run in
+Draft weights never change the output's distribution (the target verifies every token), so the draft may run in
 whichever llama.cpp type is fastest on this machine. Candidates: the file as shipped, and DRAFT_QUANTS.
 """
 from __future__ import annotations
