@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import InvalidField, positive_int
+from .methods import DEFAULT_GAMMA, DEFAULT_METHOD
 
 if TYPE_CHECKING:
     from .params import SamplingParams
@@ -15,9 +16,9 @@ STOP_CHARS_MAX = 4096  # characters of stop strings one generation may ask for, 
 FIXED_TREE_NODES = 256  # nodes per pass of a tree whose size the cost model does not choose, at most
 
 
-def check_request(*, method: str = "auto", gamma: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0, stop=None, tree_width=None, tree_depth=None,
-                  tree_nodes=None) -> SamplingParams:
+def check_request(*, method: str = DEFAULT_METHOD, gamma: int = DEFAULT_GAMMA, max_new_tokens: int = 128,
+                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop=None, tree_width=None,
+                  tree_depth=None, tree_nodes=None) -> SamplingParams:
     """InvalidField naming the first bad argument; the sampling settings otherwise."""
     from .methods import METHOD_TABLE, get_method
     from .params import SamplingParams

@@ -44,9 +44,10 @@ def add_generate_parser(sub) -> None:
 
 def speculation_args(parser) -> None:
     """--method, --gamma and the tree's dimensions: how a command's generations speculate."""
-    from .methods import DEFAULT_METHOD, help_text, method_names
+    from .methods import DEFAULT_GAMMA, DEFAULT_METHOD, help_text, method_names
     parser.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=help_text())
-    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
+    parser.add_argument("--gamma", type=int, default=DEFAULT_GAMMA,
+                        help=f"draft tokens per target pass (default {DEFAULT_GAMMA})")
     tree_args(parser)
 
 

@@ -15,7 +15,7 @@ from .drafters import (DRAFT_WINDOW, Datastore, DraftModel, History, Lookup, Pro
 from .errors import InvalidField, SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits, padding
 from .lease import Lease, tokenizer_lock
-from .methods import METHOD_TABLE, NO, DraftRequest, method_names
+from .methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, NO, DraftRequest, method_names
 from .sampling import SamplingParams
 from .stats import Generation, Stats
 from .textstream import TextStream
@@ -224,7 +224,7 @@ class Engine:
             pass
         return stream.result
 
-    def stream(self, prompt: str | list[dict], *, method: str = "auto", gamma: int = 4,
+    def stream(self, prompt: str | list[dict], *, method: str = DEFAULT_METHOD, gamma: int = DEFAULT_GAMMA,
                max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
                tree_width: int | None = None, tree_depth: int | None = None,

@@ -14,7 +14,8 @@ from .params import SamplingParams
 
 REQUIRED, OPTIONAL, NO = "required", "optional", "no"  # Method.needs_draft_model
 BASELINE = "autoregressive"  # plain decoding: what every speedup is measured against
-DEFAULT_METHOD = "auto"  # what the CLI and the server run when no method is named
+DEFAULT_METHOD = "auto"  # what the Engine, the CLI and the server run when no method is named
+DEFAULT_GAMMA = 4  # draft tokens per target pass where a request names no gamma (the methods that use it)
 
 
 @dataclass(frozen=True)

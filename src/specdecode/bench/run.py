@@ -11,7 +11,7 @@ from ..drafters import History
 from ..engine import METHODS, Engine
 from ..errors import SpecDecodeError
 from ..launch.describe import cpu_description, hugepages_status
-from ..methods import BASELINE, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
+from ..methods import BASELINE, DEFAULT_GAMMA, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
 from .server_peer import SERVER_PEERS, close_peers, make_server_peers
 from .summary import decode_rate, summarize
@@ -55,9 +55,9 @@ def check_methods(engine: Engine, methods: list[str]) -> None:
         raise SpecDecodeError("peer llama-server-draft needs the draft on the llama.cpp backend (a GGUF model)")
 
 
-def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = 4, max_new_tokens: int = 128,
-              temperature: float = 0.0, seed: int | None = 0, progress: bool = True, tree: dict | None = None,
-              llama_server: str | None = None, log_dir: str | Path = "bench-out/logs") -> dict:
+def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = DEFAULT_GAMMA,
+              max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = 0, progress: bool = True,
+              tree: dict | None = None, llama_server: str | None = None, log_dir: str | Path = "bench-out/logs") -> dict:
     """tree: tree_width/tree_depth/tree_nodes for method tree (unset: chosen by its cost model). llama_server:
     the binary the llama-server peers launch (default: the cached build), its logs in log_dir."""
     greedy, tree = temperature == 0, tree or {}

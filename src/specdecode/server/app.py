@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..checks import positive_int
 from ..errors import (InvalidField, MethodNotAllowed, NotFound, RequestTooLarge, ServerFault, SpecDecodeError,
                       Unauthorized)
-from ..methods import METHOD_TABLE, REQUIRED, get_method, wants_draft_model
+from ..methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, REQUIRED, get_method, wants_draft_model
 from . import GRACEFUL_SHUTDOWN_S, protocol as p
 from .metrics import Metrics
 from .scheduler import Worker
@@ -263,7 +263,8 @@ def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s,
         raise SpecDecodeError("the API key must not be empty")
 
 
-def create_app(engine, *, model_id: str, method: str = "draft", gamma: int = 4, api_key: str | None = None,
+def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: int = DEFAULT_GAMMA,
+               api_key: str | None = None,
                max_queue: int = 16, timeout_s: float = 300, max_tokens_cap: int | None = None,
                keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES,
                show_sources: bool = False, slots=None) -> FastAPI:

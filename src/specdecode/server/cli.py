@@ -9,13 +9,14 @@ from ..host import MODEL_IMPORTS, import_frozen
 def add_parser(sub) -> None:
     """`specdecode serve`"""
     from ..commands import backend_args, lookup_args
-    from ..methods import DEFAULT_METHOD, method_names
+    from ..methods import DEFAULT_GAMMA, DEFAULT_METHOD, method_names
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help="default speculation (per request: "
                                                                        "'speculation': {'method', 'gamma'})")
-    s.add_argument("--gamma", type=int, default=4, help="draft tokens per target pass (default 4)")
+    s.add_argument("--gamma", type=int, default=DEFAULT_GAMMA,
+                   help=f"draft tokens per target pass (default {DEFAULT_GAMMA})")
     s.add_argument("--target", default=None, help="as for generate (default: qwen2.5-coder-1.5b-instruct)")
     s.add_argument("--draft", default=None, help="as for generate")
     s.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)

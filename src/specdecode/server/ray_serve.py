@@ -26,6 +26,7 @@ import time
 
 from ..checks import positive_int
 from ..errors import SpecDecodeError
+from ..methods import DEFAULT_GAMMA, DEFAULT_METHOD
 
 REPLICA_HEADER = "x-specdecode-replica"
 PROXY_CALLBACK = "specdecode.server.ray_serve:proxy_middlewares"
@@ -183,7 +184,8 @@ class ReplicaFault:
 
 
 # -- the application ---------------------------------------------------------------------------------------------------
-def ray_app(target: str | None = None, draft: str | None = None, *, method: str | None = None, gamma: int = 4,
+def ray_app(target: str | None = None, draft: str | None = None, *, method: str = DEFAULT_METHOD,
+            gamma: int = DEFAULT_GAMMA,
             replicas: int = 1, autoscale: tuple[int, int] | None = None, threads: int = 1,
             target_ongoing_requests: float = 2.0, served_model_name: str | None = None, api_key: str | None = None,
             max_queue: int = 16, timeout_s: float = 300.0, max_tokens_cap: int | None = None,
@@ -197,10 +199,9 @@ def ray_app(target: str | None = None, draft: str | None = None, *, method: str 
     _check_ray()
     from ray import serve
     from fastapi import FastAPI
-    from ..methods import DEFAULT_METHOD, wants_draft_model
+    from ..methods import wants_draft_model
     from ..backends import DEFAULT_TARGET
     from .app import _model_name
-    method = method or DEFAULT_METHOD
     positive_int("threads", threads)
     scaling = _scaling(replicas, autoscale, target_ongoing_requests)
     load.setdefault("with_draft", wants_draft_model([method]) or draft is not None)
