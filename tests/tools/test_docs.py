@@ -45,9 +45,9 @@ def readme_problems(text: str) -> list[str]:
         problems.append("the first thing after the title must be the ```bash block of the set-up commands")
         return problems
     first, second = lines[fence + 1], lines[fence + 2]
-    for cmd, tail in ((first, 'pip install -e ".[models]" && specdecode generate'),
-                      (second, 'pip install -e ".[models,test]" && python -m pytest')):
-        if not (cmd.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch") and tail in cmd):
+    for cmd, head in ((first, 'scripts/setup.sh models && . .venv/bin/activate && specdecode generate '),
+                      (second, 'scripts/setup.sh models,test && . .venv/bin/activate && python -m pytest ')):
+        if not cmd.startswith(head):
             problems.append(f"not a set-up command: {cmd[:80]!r}")
     if lines[fence + 3] != "```":
         problems.append("the set-up block holds more than the two commands")
@@ -72,8 +72,37 @@ def test_ci_runs_the_readme_test_command():
     second = README.read_text().split("```bash\n", 1)[1].split("\n")[1]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "mkdocs build --strict" in ci
-    ci_command = next(line for line in ci.split("\n") if line.startswith("python3 -m venv"))
+    ci_command = next(line for line in ci.split("\n") if line.startswith("scripts/setup.sh"))
     assert re.sub(r"(NO_MKDOCS_2_WARNING=1 )?mkdocs build --strict && ", "", ci_command) == second
+
+
+def layout_entries(text: str) -> dict[str, str]:
+    """The README layout's entries right under src/specdecode/: {"engine.py": "the Engine: ...", "server/": ...}."""
+    block = text.split("## Layout\n", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    entries = re.findall(r"^[├└]── (\w+\.py|\w+/)(.*)$", block, re.M)
+    assert len(entries) == len(dict(entries)), "an entry listed twice"
+    return {name: what.strip() for name, what in entries}
+
+
+def package_root() -> set[str]:
+    """The modules (dunder files aside) and packages right under src/specdecode/."""
+    src = ROOT / "src" / "specdecode"
+    return ({p.name for p in src.glob("*.py") if not p.name.startswith("__")}
+            | {p.name + "/" for p in src.iterdir() if (p / "__init__.py").exists()})
+
+
+def test_readme_layout_lists_every_root_module_with_a_line():
+    entries = layout_entries(README.read_text())
+    assert sorted(package_root() - set(entries)) == [], "missing from the README's layout"
+    assert sorted(set(entries) - package_root()) == [], "in the README's layout, not in src/specdecode/"
+    assert [name for name, what in entries.items() if not what] == [], "an entry without its line"
+
+
+def test_layout_check_sees_a_module_left_out():
+    text = README.read_text()
+    assert "loop.py" in layout_entries(text) and "server/" in layout_entries(text)
+    assert "loop.py" not in layout_entries(re.sub(r"^├── loop\.py .*\n", "", text, flags=re.M))
+    assert "loop.py" in package_root()
 
 
 def setup_block(text: str) -> str:

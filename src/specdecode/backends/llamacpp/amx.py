@@ -15,7 +15,7 @@ AMX_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
 AMX_PROBE = ("import os, sys; os.environ['SPECDECODE_AMX_PROBE'] = '1'; "
              "from specdecode.backends.llamacpp import LlamaLM; "
              "lm = LlamaLM(sys.argv[1], n_ctx=64, repack=True); lm.forward(list(range(1, 17))); lm.forward([1])")
-# CMake flags that build llama.cpp without its AMX kernels (the README's set-up commands, the llama-server build)
+# CMake flags that build llama.cpp without its AMX kernels (scripts/setup.sh on x86 Linux, the llama-server build)
 NO_AMX_FLAGS = ("-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8")
 AMX_FIX = (f'CMAKE_ARGS="-DLLAVA_BUILD=OFF {" ".join(NO_AMX_FLAGS)}" '
            'pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python==0.3.36')
