@@ -4,13 +4,10 @@ The package's names load on first use (PEP 562), so `import specdecode` loads ne
 has no effect on the process; the `specdecode` command's restart for huge pages is the CLI's (cli.main)."""
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-
 from .lazy import lazy_names
 
-# each public name and the module that defines it (`verify`: the _Package property below)
+# each public name and the module that defines it; `verify` is the module of the acceptance rules (verify.verify,
+# verify.verify_tree)
 _EXPORTS = {"Engine": ".engine", "METHODS": ".engine", "speculative_decode": ".loop", "SpecDecodeError": ".errors",
             "SamplingParams": ".sampling", "probs_from_logits": ".sampling", "Generation": ".stats", "Stats": ".stats"}
 
@@ -19,20 +16,4 @@ __all__ = ["Engine", "Generation", "Stats", "METHODS", "SpecDecodeError", "Sampl
 __version__ = "0.1.0"
 
 
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
-
-
-class _Package(types.ModuleType):
-    """`specdecode.verify` is the function, as `from .verify import verify` made it: the import system sets the
-    submodule of the same name on the package when it loads, and this keeps the name the function's."""
-
-    @property
-    def verify(self):
-        return importlib.import_module(".verify", __name__).verify
-
-    @verify.setter
-    def verify(self, value) -> None:
-        pass
-
-
-sys.modules[__name__].__class__ = _Package
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, modules=("verify",))

@@ -6,11 +6,14 @@ import importlib
 import sys
 
 
-def lazy_names(package: str, exports: dict[str, str]):
+def lazy_names(package: str, exports: dict[str, str], modules: tuple[str, ...] = ()):
     """(__getattr__, __dir__) for the package named `package`: a name in `exports` (name -> module, relative to the
-    package) is imported on first use and then kept in the package's namespace."""
+    package) is imported on first use and then kept in the package's namespace; so is a submodule named in
+    `modules`, as the module itself."""
 
     def __getattr__(name: str):
+        if name in modules:
+            return importlib.import_module(f".{name}", package)  # the import system sets it on the package
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

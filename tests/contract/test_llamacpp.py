@@ -23,7 +23,6 @@ a 1-token pass of these models took 260 ms with 2 threads against 0.15 ms with o
 """
 from __future__ import annotations
 
-import importlib
 
 import os
 import sys
@@ -37,7 +36,7 @@ import torch
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs llama-cpp-python (not installed)")
 
 import specdecode.engine as engine_mod
-verify_mod = importlib.import_module("specdecode.verify")  # noqa: E402  (verify.verdict calls verify, verify_tree from here; `specdecode.verify` the attribute is the function)
+import specdecode.verify as verify_mod  # noqa: E402  (verify.verdict calls verify, verify_tree from here)
 import tinygguf  # noqa: E402
 from specdecode import Engine, SamplingParams, SpecDecodeError  # noqa: E402
 from specdecode.cli import main  # noqa: E402

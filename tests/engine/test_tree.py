@@ -7,7 +7,6 @@ trees keep the target's distribution (chi-square, with a wrong verifier as negat
 """
 from __future__ import annotations
 
-import importlib
 
 import json
 
@@ -17,7 +16,7 @@ import torch
 from scipy.stats import chisquare
 
 import specdecode.planning.costs as costs_mod
-verify_mod = importlib.import_module("specdecode.verify")  # noqa: E402  (verify.verdict calls verify, verify_tree from here; `specdecode.verify` the attribute is the function)
+import specdecode.verify as verify_mod  # noqa: E402  (verify.verdict calls verify, verify_tree from here)
 from specdecode import SamplingParams, SpecDecodeError, Stats, speculative_decode
 from specdecode.planning.costs import Calibration, CostModel, load_or_measure, measure
 from specdecode.drafters import DraftModel

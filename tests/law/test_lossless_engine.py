@@ -40,7 +40,6 @@ core); ENGINE_STATS_N=20000 takes about 4 (and the chi-square then detects only 
 """
 from __future__ import annotations
 
-import importlib
 
 import os
 import pickle
@@ -56,7 +55,7 @@ import torch
 from transformers.cache_utils import Cache
 
 import specdecode.engine as engine_mod
-verify_mod = importlib.import_module("specdecode.verify")  # noqa: E402  (verify.verdict calls verify, verify_tree from here; `specdecode.verify` the attribute is the function)
+import specdecode.verify as verify_mod  # noqa: E402  (verify.verdict calls verify, verify_tree from here)
 from specdecode import Engine, SamplingParams
 from specdecode.planning.costs import CostModel
 from specdecode.backends import CachedLM

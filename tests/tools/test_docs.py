@@ -12,6 +12,7 @@ Examples run in a scratch directory holding what they read: `app.py`, and `~/ds`
 """
 import argparse
 import importlib
+import inspect
 import re
 import shlex
 from pathlib import Path
@@ -132,21 +133,22 @@ DOTTED = re.compile(r"(?<![\w./-])specdecode(?:\.[A-Za-z_]\w*)+")
 
 
 def resolves(name: str) -> bool:
-    """Whether `specdecode.a.b.C.d` names something: the longest importable module, then attributes."""
+    """Whether `specdecode.a.b.C.d` names something as a reader's code reaches it: attribute by attribute from the
+    package, a submodule imported where the attribute is not there yet (as `import specdecode.a.b` would), so a
+    package attribute that hides its submodule (a function of the same name) does not pass."""
     parts = name.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError as e:
-            if e.name and not ".".join(parts[:cut]).startswith(e.name):  # a dependency is missing, not the name
-                raise
-            continue
-        for attr in parts[cut:]:
-            if not hasattr(obj, attr):
-                return False
-            obj = getattr(obj, attr)
-        return True
-    return False
+    obj = importlib.import_module(parts[0])
+    for attr in parts[1:]:
+        if not hasattr(obj, attr) and inspect.ismodule(obj) and hasattr(obj, "__path__"):
+            try:
+                importlib.import_module(f"{obj.__name__}.{attr}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{obj.__name__}.{attr}":  # a dependency is missing, not the name
+                    raise
+        if not hasattr(obj, attr):
+            return False
+        obj = getattr(obj, attr)
+    return True
 
 
 def dotted_names() -> dict[str, list[str]]:
@@ -172,6 +174,14 @@ def test_the_resolver_rejects_stale_and_made_up_names():
     assert not resolves("specdecode.tree.TreeDrafter")  # where it lived before planning/
     assert not resolves("specdecode.costs")
     assert not resolves("specdecode.engine.no_such_thing")
+
+
+def test_the_resolver_goes_by_attribute_where_a_package_hides_its_submodule(monkeypatch):
+    import specdecode
+    import specdecode.verify
+    assert resolves("specdecode.verify.verify_tree")
+    monkeypatch.setattr(specdecode, "verify", specdecode.verify.verify)  # the function in the module's place
+    assert not resolves("specdecode.verify.verify_tree")  # importlib would still find the module
     assert DOTTED.findall("see `specdecode.planning.costs`, not docs/specdecode.x") == ["specdecode.planning.costs"]
 
 

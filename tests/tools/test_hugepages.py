@@ -139,7 +139,7 @@ IMPORT_ONLY = textwrap.dedent("""
     imported = (len(calls), "torch" in sys.modules)
     from specdecode.host import restart_if_command
     restart_if_command()  # what the command's main() does first: the negative control
-    verify = specdecode.verify
+    verify = specdecode.verify.verify_tree  # a submodule, loaded on first use
     print(*imported, len(calls), "torch" in sys.modules, specdecode.Engine.__name__, callable(verify), sep="|")
 """)
 
