@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from specdecode import Engine
-from specdecode.bench import cpu_description
+from specdecode.host import cpu_description
 
 
 def rows(path: str, per_category: int) -> list[dict]:

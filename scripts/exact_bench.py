@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from specdecode import Engine, exactness
-from specdecode.bench import cpu_description
+from specdecode.host import cpu_description
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 EXACT_METHODS = ["auto", "draft", "pld", "tree", "lookup"]

@@ -359,7 +359,7 @@ def certify_command(args) -> int:
     """`specdecode certify`: 0 when the certificate passed, 1 when a check failed."""
     import sys
 
-    from .bench import cpu_description
+    from .host import cpu_description
     from .engine import Engine
     from .methods import METHOD_TABLE, REQUIRED, names_where
     drafting = names_where(drafts=True)  # every method but plain decoding, the yardstick

@@ -1,5 +1,6 @@
 """The seams: the LM and Drafter protocols, backends behind the LM interface, and a package without
-import cycles (imports inside functions included) or oversized modules."""
+import cycles (imports inside functions included), with imports going down its layers only, and without oversized
+modules."""
 import ast
 import re
 import subprocess
@@ -159,6 +160,45 @@ def test_no_import_cycles():
     host = {f"specdecode.host.{m}" for m in ("machine", "hugepages", "imports", "threads")}
     assert all(graph[m] == set() for m in host)  # leaves: any module (costs, loading, llamacpp) reads them, no cycle
     assert graph["specdecode.host"] <= host
+
+
+# The package's layers, top first; everything else is the library, at the bottom. A module imports its own layer and
+# those below it, never one above: the library knows no command, and a command's package no dispatch.
+LAYERS = (
+    ("dispatch", ("specdecode.cli", "specdecode.__main__")),  # builds every command's parser
+    ("commands", ("specdecode.server", "specdecode.bench", "specdecode.loadtest", "specdecode.apply")),
+    ("shared by commands", ("specdecode.commands", "specdecode.launch")),  # argument groups, extras; peers started
+)
+
+
+def layer(module: str) -> int:
+    """How high `module` sits: 0 the library, len(LAYERS) dispatch."""
+    for i, (_, tops) in enumerate(LAYERS):
+        if any(module == t or module.startswith(t + ".") for t in tops):
+            return len(LAYERS) - i
+    return 0
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} imports {i}" for m, imports in graph.items() for i in imports if layer(i) > layer(m))
+
+
+def test_the_layers_are_what_the_package_holds():
+    assert layer("specdecode.cli") > layer("specdecode.server.app") > layer("specdecode.commands") > layer(
+        "specdecode.certify") == layer("specdecode.host.machine") == 0
+    assert layer("specdecode.bench.run") == layer("specdecode.loadtest.cli") == layer("specdecode.apply.client")
+    assert layer("specdecode.launch.describe") == layer("specdecode.commands")
+    upward = upward_imports({"specdecode.certify": {"specdecode.bench"}})
+    assert upward == ["specdecode.certify imports specdecode.bench"]
+    assert upward_imports({"specdecode.server.cli": {"specdecode.commands", "specdecode.engine"}}) == []
+
+
+def test_imports_go_down_the_layers():
+    modules = {".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in SRC.rglob("*.py")}
+    graph = {m: {i.removesuffix(".__init__") for i in _module_imports(p)} for m, p in modules.items()}
+    assert graph["specdecode.cli"] >= {"specdecode.server.cli", "specdecode.bench.cli"}  # the walk sees them
+    assert upward_imports(graph) == []
 
 
 @pytest.mark.process

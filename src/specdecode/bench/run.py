@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 from ..drafters import History
 from ..engine import METHODS, Engine
 from ..errors import SpecDecodeError
-from ..launch.describe import cpu_description, hugepages_status
+from ..host import cpu_description
+from ..launch.describe import hugepages_status
 from ..methods import BASELINE, DEFAULT_GAMMA, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
 from .server_peer import SERVER_PEERS, close_peers, make_server_peers

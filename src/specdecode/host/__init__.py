@@ -5,8 +5,8 @@ nothing from the rest of the package: the package's import reads it before torch
 import it without a cycle."""
 from .hugepages import restart_if_command, user_env
 from .imports import MODEL_IMPORTS, import_frozen
-from .machine import cache_dir, cpu_name, memory_available, write_json
+from .machine import cache_dir, cpu_description, cpu_name, memory_available, write_json
 from .threads import name_thread
 
-__all__ = ["MODEL_IMPORTS", "cache_dir", "cpu_name", "import_frozen", "memory_available", "name_thread",
+__all__ = ["MODEL_IMPORTS", "cache_dir", "cpu_description", "cpu_name", "import_frozen", "memory_available", "name_thread",
            "restart_if_command", "user_env", "write_json"]

@@ -39,6 +39,20 @@ def cpu_name() -> str:
     return ""
 
 
+def cpu_description() -> str:
+    """CPU model, logical CPUs and the vector/matrix flags that decide which kernels run: the line a report (bench,
+    loadtest, certify) opens with."""
+    flags = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+                break
+    except OSError:
+        pass
+    return f"{cpu_name() or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags: {' '.join(flags) or 'n/a'}"
+
+
 def memory_available() -> int | None:
     """Bytes the kernel reports as available (None where /proc/meminfo is not there)."""
     try:

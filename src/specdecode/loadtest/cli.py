@@ -116,7 +116,8 @@ def _prompts(args) -> list[dict]:
 def loadtest(args) -> int:
     """Run the load benchmark; 0 when it ran (errors and greedy mismatches are reported, not fatal)."""
     from ..launch import llama_server as ls
-    from ..launch.describe import cpu_description, hugepages_status
+    from ..host import cpu_description
+    from ..launch.describe import hugepages_status
     from ..launch.servers import llama_cpp_server_missing
     from .client import measure_server
     from .report import markdown, write_outputs

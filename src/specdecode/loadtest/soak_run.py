@@ -250,7 +250,7 @@ def soak(args, servers: dict[str, str], prompts: list[dict] | None) -> int:
     import sys
 
     from ..errors import SpecDecodeError
-    from ..launch.describe import cpu_description
+    from ..host import cpu_description
     from .soak_check import judge, markdown, summary, write_report
     if args.soak <= 0 or args.parallel < 1 or args.max_tokens <= 0 or args.soak_timeout <= 0:
         raise SpecDecodeError("--soak, --parallel, --max-tokens and --soak-timeout must be positive")
