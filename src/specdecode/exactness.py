@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .drafters.base import Draft
-from .errors import InvalidField, SpecDecodeError
+from .errors import InvalidField
 from .host import cache_dir, write_json
 from .sampling import argmax
 

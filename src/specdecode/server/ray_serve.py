@@ -25,7 +25,7 @@ import sys
 import time
 
 from ..checks import positive_int
-from ..errors import SpecDecodeError
+from ..errors import ReplicaLost, SpecDecodeError
 from ..methods import DEFAULT_GAMMA, DEFAULT_METHOD
 
 REPLICA_HEADER = "x-specdecode-replica"
