@@ -806,7 +806,8 @@ def test_openapi_document_is_precise():
     methods = set(comp["Speculation"]["properties"]["method"]["anyOf"][0]["enum"])
     assert methods == set(METHODS) >= {"auto", "autoregressive", "draft", "pld", "tree"}
     assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in comp
-    assert set(doc["paths"]["/v1/chat/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "413", "503"}
+    assert set(doc["paths"]["/v1/chat/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "413", "415",
+                                                                               "503"}
 
 
 @schema.parametrize()

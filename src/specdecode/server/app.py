@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checks import positive_int
 from ..errors import (InvalidField, MethodNotAllowed, NotFound, RequestTooLarge, ServerFault, SpecDecodeError,
-                      Unauthorized)
+                      Unauthorized, UnsupportedMediaType)
 from ..methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, REQUIRED, get_method, wants_draft_model
 from . import GRACEFUL_SHUTDOWN_S, protocol as p
 from .metrics import Metrics
@@ -41,14 +41,17 @@ KEEPALIVE_S = 10.0  # seconds between ": keep-alive" comments while a streamed r
 
 
 class Gate:
-    """ASGI middleware: the body size limit and request counting. (The API key is checked by the /v1 routes
-    themselves, BearerKey: under a path prefix only routing knows which route a path is.)"""
+    """ASGI middleware: the body size limit and request counting, and with `check` the API key on the `protected`
+    paths outside /v1 (/metrics and the API docs, where asked for). (The key on /v1 is checked by its routes,
+    BearerKey: under a path prefix only routing knows which route a path is.)"""
 
     ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/openapi.json",
               "/docs", "/"}
 
-    def __init__(self, app, metrics: Metrics, max_body_bytes: int | None = None):
+    def __init__(self, app, metrics: Metrics, max_body_bytes: int | None = None, check: "BearerKey | None" = None,
+                 protected: frozenset[str] = frozenset()):
         self.app, self.metrics, self.max_body = app, metrics, max_body_bytes
+        self.check, self.protected = check, protected
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -63,6 +66,11 @@ class Gate:
             await send(message)
 
         try:
+            if self.check is not None and path in self.protected:
+                try:
+                    await self.check(Request(scope))
+                except Unauthorized as e:
+                    return await error_response(e)(scope, receive, send_status)
             if self.max_body is not None and _content_length(scope) > self.max_body:  # before reading it
                 await error_response(too_large(self.max_body))(scope, receive, send_status)
             else:
@@ -105,19 +113,26 @@ class BearerKey(HTTPBearer):
         return credentials
 
 
-def _keyed_route(check: BearerKey) -> type[APIRoute]:
-    """A route class that runs `check` before FastAPI reads the request body (which it does before any
-    dependency): a request without the key gets its 401 without its body being read or parsed."""
+def _v1_route(check: BearerKey | None) -> type[APIRoute]:
+    """A route class whose checks run before FastAPI reads the request body (which it does before any dependency):
+    `check`, the API key (a request without it gets its 401 without its body being read or parsed), then a POST's
+    Content-Type. FastAPI parses a body without one as JSON, and a browser posts a cross-site form without asking
+    first (text/plain, no CORS preflight): only a body declared application/json reaches a route (415 otherwise)."""
 
-    class KeyedRoute(APIRoute):
+    class V1Route(APIRoute):
         def get_route_handler(self):
             handle = super().get_route_handler()
 
-            async def keyed(request: Request) -> Response:
-                await check(request)
+            async def checked(request: Request) -> Response:
+                if check is not None:
+                    await check(request)
+                media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+                if request.method == "POST" and media_type != "application/json":
+                    raise UnsupportedMediaType(f"send the request body as JSON with the header 'Content-Type: "
+                                               f"application/json' (got {media_type or 'none'!r})")
                 return await handle(request)
-            return keyed
-    return KeyedRoute
+            return checked
+    return V1Route
 
 
 def _content_length(scope) -> int:
@@ -136,6 +151,7 @@ ERRORS = {400: {"model": p.ErrorBody, "description": "invalid request"},
           401: {"model": p.ErrorBody, "description": "missing or wrong API key"},
           404: {"model": p.ErrorBody, "description": "unknown model"},
           413: {"model": p.ErrorBody, "description": "request body over the server's limit"},
+          415: {"model": p.ErrorBody, "description": "a body not sent as Content-Type: application/json"},
           503: {"model": p.ErrorBody, "description": "queue full or timed out waiting; see Retry-After"}}
 SSE_DOC = {"text/event-stream": {"schema": {"type": "object"}}}  # filled in by _openapi
 
@@ -159,12 +175,11 @@ async def get_model(model: str, request: Request):
     return json_response(s.card())
 
 
-def _add_routes(app: FastAPI, service: Service, api_key: str | None) -> None:
-    if api_key is None:
-        v1 = APIRouter(prefix="/v1", tags=["openai"])
+def _add_routes(app: FastAPI, service: Service, check: BearerKey | None) -> None:
+    if check is None:
+        v1 = APIRouter(prefix="/v1", tags=["openai"], route_class=_v1_route(None))
     else:
-        check = BearerKey(api_key)
-        v1 = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Security(check)], route_class=_keyed_route(check),
+        v1 = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Security(check)], route_class=_v1_route(check),
                        responses={401: ERRORS[401]})
     CompletionRequest, ChatCompletionRequest = p.request_models(service.cap)
 
@@ -264,7 +279,7 @@ def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s,
 
 
 def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: int = DEFAULT_GAMMA,
-               api_key: str | None = None,
+               api_key: str | None = None, protect_all: bool = False,
                max_queue: int = 16, timeout_s: float = 300, max_tokens_cap: int | None = None,
                keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES,
                show_sources: bool = False, slots=None) -> FastAPI:
@@ -272,7 +287,8 @@ def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: in
 
     model_id: the name clients must send as `model`. method/gamma: the default speculation (a request may
     override both with `speculation: {"method", "gamma"}`; the Engine checks them per request). api_key:
-    required as `Authorization: Bearer <key>` on /v1/* when set. max_queue: requests that may wait while one
+    required as `Authorization: Bearer <key>` on /v1/* when set; with protect_all on /metrics and the API docs
+    (/docs, /redoc, /openapi.json) too (/health and the web page stay open). max_queue: requests that may wait while one
     generates (more get 503). timeout_s: the longest a request may take, waiting included. max_tokens_cap: the
     largest max_tokens accepted (default and upper bound: the model's context). keepalive_s: seconds between
     keep-alive comments on a silent stream (queued, or reading its prompt). max_body_bytes: larger request bodies get a 413.
@@ -282,6 +298,9 @@ def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: in
     are still opened, checked and tokenized on `engine`).
     """
     _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s, keepalive_s, api_key)
+    if protect_all and api_key is None:
+        raise SpecDecodeError("protect_all needs an API key: it puts /metrics and the API docs behind it")
+    check = None if api_key is None else BearerKey(api_key)
     context = engine.target.max_length if slots is None else slots.engines[0].target.max_length
     cap = context if max_tokens_cap is None else max(1, min(int(max_tokens_cap), context))
     metrics = Metrics(model_id, method, gamma)
@@ -306,12 +325,14 @@ def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: in
                               "names the engine that ran the request.")
     app.state.service, app.state.engine, app.state.worker, app.state.metrics = service, engine, worker, metrics
     app.state.model_id, app.state.engine_lock = model_id, worker.lock
-    app.add_middleware(Gate, metrics=metrics, max_body_bytes=max_body_bytes)
+    protected = frozenset(path for path in ("/metrics", app.openapi_url, app.docs_url, app.redoc_url,
+                                            app.swagger_ui_oauth2_redirect_url) if path) if protect_all else frozenset()
+    app.add_middleware(Gate, metrics=metrics, max_body_bytes=max_body_bytes, check=check, protected=protected)
     app.add_exception_handler(SpecDecodeError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _crash)
-    _add_routes(app, service, api_key)
+    _add_routes(app, service, check)
     _add_page(app)
     app.openapi = lambda: _openapi(app)
     return app
@@ -401,7 +422,10 @@ def check_serve_args(args) -> str | None:
                               "autoregressive")
     if args.api_key is not None and not args.api_key:
         raise SpecDecodeError("--api-key must not be empty")
-    return args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
+    if getattr(args, "protect_all", False) and api_key is None:
+        raise SpecDecodeError("--protect-all needs an API key (--api-key or $SPECDECODE_API_KEY)")
+    return api_key
 
 
 def serve(args) -> None:
@@ -430,7 +454,7 @@ def serve(args) -> None:
         from ..slots import Slots
         slots = Slots(engine, args.parallel, prefill_chunk=args.prefill_chunk, context=args.ctx_size)
     app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
-                     max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
+                     protect_all=args.protect_all, max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
                      show_sources=args.speculation_sources, slots=slots)
     if not _is_loopback(args.host) and api_key is None:
         sys.stderr.write(f"specdecode: warning: listening on {args.host} without an API key (--api-key)\n")

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY, else none)")
+    s.add_argument("--protect-all", action="store_true",
+                   help="with an API key: /metrics and the API docs (/docs, /redoc, /openapi.json) need it too "
+                        "(/health and the web page stay open)")
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one generates; "
                                                              "more get 503 with Retry-After (default 16)")
     s.add_argument("--timeout", type=float, default=300.0, help="longest a request may take, in seconds "

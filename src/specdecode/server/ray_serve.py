@@ -185,14 +185,14 @@ class ReplicaFault:
 
 # -- the application ---------------------------------------------------------------------------------------------------
 def ray_app(target: str | None = None, draft: str | None = None, *, method: str = DEFAULT_METHOD,
-            gamma: int = DEFAULT_GAMMA,
-            replicas: int = 1, autoscale: tuple[int, int] | None = None, threads: int = 1,
+            gamma: int = DEFAULT_GAMMA, replicas: int = 1, autoscale: tuple[int, int] | None = None, threads: int = 1,
             target_ongoing_requests: float = 2.0, served_model_name: str | None = None, api_key: str | None = None,
-            max_queue: int = 16, timeout_s: float = 300.0, max_tokens_cap: int | None = None,
-            ctx_size: int | None = None, **load):
+            protect_all: bool = False, max_queue: int = 16, timeout_s: float = 300.0,
+            max_tokens_cap: int | None = None, ctx_size: int | None = None, **load):
     """A Ray Serve application: `replicas` replicas (or autoscaled within `autoscale` = (min, max) on the requests
     queued and running per replica, `target_ongoing_requests` each), each an Engine on `threads` CPU threads
-    serving the OpenAI-compatible app. max_tokens_cap and ctx_size: as `serve --max-tokens` and `--ctx-size`.
+    serving the OpenAI-compatible app. max_tokens_cap, ctx_size and protect_all: as `serve --max-tokens`,
+    `--ctx-size` and `--protect-all`.
     `load`: more Engine.load arguments (backend, dtype, exact, datastore,
     history_tokens, draft_quant, draft_window, ...). Run it with `start(...)` then `serve.run(app)` (or inside
     your own Serve application)."""
@@ -207,7 +207,8 @@ def ray_app(target: str | None = None, draft: str | None = None, *, method: str 
     load.setdefault("with_draft", wants_draft_model([method]) or draft is not None)
     load = dict(load, target=target, draft=draft, threads=threads)
     app = dict(model_id=served_model_name or _model_name(target or DEFAULT_TARGET), method=method, gamma=gamma,
-               api_key=api_key, max_queue=max_queue, timeout_s=timeout_s, max_tokens_cap=max_tokens_cap)
+               api_key=api_key, protect_all=protect_all, max_queue=max_queue, timeout_s=timeout_s,
+               max_tokens_cap=max_tokens_cap)
     deployment = serve.deployment(
         name="SpecDecode", ray_actor_options={"num_cpus": threads}, max_ongoing_requests=max_queue + 1,
         health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=10, **scaling,
@@ -292,6 +293,7 @@ def serve_ray(args) -> None:
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // most)
     app = ray_app(args.target, args.draft, method=args.method, gamma=args.gamma, replicas=args.replicas or 1,
                   autoscale=autoscale, threads=threads, served_model_name=args.served_model_name, api_key=api_key,
+                  protect_all=args.protect_all,
                   max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
                   ctx_size=args.ctx_size, backend=args.backend,
                   dtype=args.dtype, device=args.device, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
