@@ -11,7 +11,7 @@ answer is expected to repeat, as an editor plug-in sends it), with where the cod
 
 Categories: rename (a local name or parameter), type_hints, logging, default (change one argument's default),
 docstring (rewrite the first line of the docstring). The answer repeats the function except at a few points.
---whole-files N adds N tasks of category whole_file: a whole standard-library module of 100-300 lines (about 1,000-3,000
+--whole-files N adds N tasks of category whole_file: a whole standard-library module of 100-300 lines (about 1,000-1,600
 tokens) with one of the edits above made to one of its functions, the answer being the whole updated file.
 --prediction none leaves the prediction out (the original is then only in the prompt); --prediction wrong sends
 another function as the prediction (a prediction that is wrong from the start). The data is never committed:
@@ -90,7 +90,7 @@ def instruction(category: str, name: str, node: ast.FunctionDef, rng: random.Ran
     raise ValueError(category)
 
 
-WHOLE_LINES, WHOLE_CHARS = (100, 300), (3500, 9000)
+WHOLE_LINES, WHOLE_CHARS = (100, 300), (3500, 5500)
 
 
 def modules(stdlib: Path):

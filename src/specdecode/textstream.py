@@ -104,7 +104,12 @@ class TextStream:
         finally:
             self.steps.close()  # frees the loop if the consumer stops early
             stats.wall_s = time.perf_counter() - t0
-        text = decode(ids) if stats.finish_reason != "stop" and not interrupted else sent
+        yield from self._finish(ids, sent, interrupted)
+
+    def _finish(self, ids: list[int], sent: str, interrupted: bool) -> Iterator[str]:
+        """The text's last piece (what was held back for a character's missing bytes), and the result."""
+        stats = self.stats
+        text = self.engine.decode(ids) if stats.finish_reason != "stop" and not interrupted else sent
         if len(text) > len(sent) and text.startswith(sent):
             yield text[len(sent):]
         if self.prediction_ids:
