@@ -75,6 +75,15 @@ def tiny_engine(make_engine):
     return make_engine()
 
 
+@pytest.fixture(scope="module")
+def _module_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("module-cache")
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+def _isolated_cache(request, tmp_path, monkeypatch):
+    """A cache of each test's own; one for the whole module where it sets SHARED_CACHE = True (its servers: the first
+    start-up measures the tiny models' pass costs, the others read them, as every server after the first does)."""
+    shared = getattr(request.module, "SHARED_CACHE", False)
+    cache = request.getfixturevalue("_module_cache") if shared else tmp_path / "cache"
+    monkeypatch.setenv("SPECDECODE_CACHE", str(cache))

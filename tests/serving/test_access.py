@@ -15,16 +15,7 @@ BODY = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def _server_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("server-cache")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(_server_cache, monkeypatch):
-    """One cache for this module's servers: the first start-up measures the tiny models' pass costs, the others
-    read them."""
-    monkeypatch.setenv("SPECDECODE_CACHE", str(_server_cache))
+SHARED_CACHE = True  # one cache for this module's servers (conftest)
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",

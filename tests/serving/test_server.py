@@ -31,18 +31,9 @@ KEY = "sk-test-0123456789"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def _server_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("server-cache")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(_server_cache, monkeypatch):
-    """One cache for this module's servers (in place of conftest's one per test): the first server's start-up measures
-    the tiny models' pass costs, the others read them, as every server after the first on a machine does (the
-    measurement itself: test_context_costs.py and test_cost_measurement_happens_at_start_up_never_in_a_request).
-    No test here replaces a measurement, so what the cache holds is what measuring gives."""
-    monkeypatch.setenv("SPECDECODE_CACHE", str(_server_cache))
+# one cache for this module's servers (conftest): no test here replaces a measurement, so what it holds is what
+# measuring gives (the measurement itself: test_context_costs.py and the start-up test below)
+SHARED_CACHE = True
 
 
 @pytest.fixture(scope="module")

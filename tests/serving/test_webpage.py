@@ -37,15 +37,7 @@ def chromium() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def _cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("webpage-cache")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(_cache, monkeypatch):
-    """One cache for this module's servers: the first start-up measures the tiny models' pass costs."""
-    monkeypatch.setenv("SPECDECODE_CACHE", str(_cache))
+SHARED_CACHE = True  # one cache for this module's servers (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +68,8 @@ def serve(make_engine, cache, draft=0, **app) -> LiveServer:
 
 
 @pytest.fixture(scope="module")
-def live(make_engine, _cache):
-    srv = serve(make_engine, _cache, show_sources=True)
+def live(make_engine, _module_cache):
+    srv = serve(make_engine, _module_cache, show_sources=True)
     yield srv
     srv.stop()
 
@@ -232,8 +224,8 @@ def test_a_prediction_turns_its_tokens_green(tab, live, tmp_path):
     assert shot.stat().st_size < 200_000
 
 
-def test_stop_ends_the_stream_and_frees_the_slot(browser, make_engine, _cache):
-    srv = serve(make_engine, _cache)
+def test_stop_ends_the_stream_and_frees_the_slot(browser, make_engine, _module_cache):
+    srv = serve(make_engine, _module_cache)
     real = srv.app.state.engine.target.forward
 
     def slow(*args, **kwargs):  # a pass the page can be stopped in the middle of
@@ -264,8 +256,8 @@ def test_stop_ends_the_stream_and_frees_the_slot(browser, make_engine, _cache):
         srv.stop()
 
 
-def test_a_wrong_key_is_said_in_words_and_the_right_one_works(browser, make_engine, _cache):
-    srv = serve(make_engine, _cache, api_key=KEY)
+def test_a_wrong_key_is_said_in_words_and_the_right_one_works(browser, make_engine, _module_cache):
+    srv = serve(make_engine, _module_cache, api_key=KEY)
     tab = Tab(browser, srv.url + "/")
     try:
         assert tab.page.is_visible("#key-dialog")  # the server asked for a key: the page asks for it once
@@ -378,11 +370,11 @@ def test_code_blocks_are_rendered_as_code_with_a_copy_button(tab, live):
     assert tokens == [str(i) for i in range(6)]  # every token has its element, a fence's hidden ones too
 
 
-def test_the_page_works_under_a_path_prefix(browser, live, make_engine, _cache):
+def test_the_page_works_under_a_path_prefix(browser, live, make_engine, _module_cache):
     from starlette.applications import Starlette
     from starlette.routing import Mount
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDECODE_CACHE", str(_cache))
+        mp.setenv("SPECDECODE_CACHE", str(_module_cache))
         app = create_app(make_engine(0, 0, char_tokenizer()), model_id=MODEL, method="draft", gamma=3)
         srv = LiveServer(Starlette(routes=[Mount("/prefix", app=app)]))
     tab = Tab(browser, srv.url + "/prefix")  # without the trailing slash

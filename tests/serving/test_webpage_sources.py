@@ -19,30 +19,22 @@ PROMPT = "the cat sat on the mat; the cat sat on the mat; the cat"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def _cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("sources-cache")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(_cache, monkeypatch):
-    """One cache for this module's servers: the first start-up measures the tiny models' pass costs."""
-    monkeypatch.setenv("SPECDECODE_CACHE", str(_cache))
+SHARED_CACHE = True  # one cache for this module's servers (conftest)
 
 
 @pytest.fixture(scope="module")
-def alone(make_engine, _cache):
+def alone(make_engine, _module_cache):
     """One generation at a time, on torch: the draft model is the target itself (its guesses are kept, greedy), so
     answers mix draft, copied and target tokens."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDECODE_CACHE", str(_cache))
+        mp.setenv("SPECDECODE_CACHE", str(_module_cache))
         srv = LiveServer(create_app(make_engine(0, 0), model_id=MODEL, method="draft", gamma=3, show_sources=True))
         yield srv
         srv.stop()
 
 
 @pytest.fixture(scope="module")
-def batched(tmp_path_factory, _cache):
+def batched(tmp_path_factory, _module_cache):
     """Two batch slots on llama.cpp (--parallel 2), the same GGUF as target and draft."""
     pytest.importorskip("llama_cpp")
     from specdecode.backends.llamacpp import LlamaLM
@@ -52,7 +44,7 @@ def batched(tmp_path_factory, _cache):
     gguf = write_tiny_gguf(tmp_path_factory.mktemp("sources") / "tiny.gguf", 0, hidden=128)
     tok = byte_tokenizer()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDECODE_CACHE", str(_cache))
+        mp.setenv("SPECDECODE_CACHE", str(_module_cache))
         engine = Engine(LlamaLM(gguf, threads=1), tok, LlamaLM(gguf, threads=1), tok)
         engine.progress = False
         srv = LiveServer(create_app(engine, model_id=MODEL, method="draft", gamma=3, show_sources=True,
