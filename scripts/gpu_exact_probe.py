@@ -11,7 +11,7 @@ Measures, writing results.json after every step (a cut-off run keeps what it had
 4. per prompt (HumanEval: MIT; MT-bench: Apache-2.0): exact-mode autoregressive and every method, each compared
    token for token and every verifier row bit for bit (certify.check_greedy); default-mode autoregressive and
    draft, with times; where exact mode pads, the control without the padding.
-The draft is the target itself (full acceptance: the verifier reads passes of every allowed size). The first H200
+The draft is the target itself (full acceptance: the verifier reads passes of every allowed size). The first GPU
 run (docs/results/exact-gpu-h200/probe-padded.json) came from an earlier version of this script whose
 measurement checked passes at even positions only.
 

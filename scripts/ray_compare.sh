@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 19's measured run: the default pair served as 2 Ray Serve replicas x 1 thread, as 1 replica x 2 threads,
-# and by plain `specdecode serve --threads 2` (no Ray: what Ray itself costs), each under the same closed-loop
-# load of `specdecode loadtest` at concurrency 4 (1 runs first: the greedy reference). One server at a time, on a
-# quiet machine (it uses every core). Needs the ray, server and models extras.
+# The run behind docs/results/ray: the default pair served as 2 Ray Serve replicas x 1 thread, as 1 replica x 2
+# threads, and by plain `specdecode serve --threads 2` (no Ray: what Ray itself costs), each under the same
+# closed-loop load of `specdecode loadtest` at concurrency 4 (1 runs first: the greedy reference). One server at a
+# time, on a quiet machine (it uses every core). Needs the ray, server and models extras.
 #
 #   bash scripts/ray_compare.sh                     # PROMPTS=FILE LIMIT=N MAX_TOKENS=N OUT=DIR PORT=N override
 #

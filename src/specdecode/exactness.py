@@ -153,9 +153,8 @@ def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE, pad_rows: int = 1)
     """Measure the exact pass sizes of this LM after each of CONTEXTS random tokens (those that fit; seconds: about
     (max_pass + 2) short decodings per context), then up to which context they hold (LONG_CONTEXTS, until one
     fails: max_context is the last one that held, plus the steps decoded after it). A kernel's blocking can follow
-    the context length: on a tiny bf16 Qwen2 on torch (Intel Xeon, 2 vCPUs), 2-token passes matched 1-token
-    passes bit for bit after 8 and 100 cached tokens and not after 20, 48, 64 or 200; on llama.cpp, passes of
-    2-3 tokens that are exact after 200 tokens are not after 400 (see ExactLimits.max_context).
+    the context length: a pass size exact after some context lengths may not be after others, on torch and on
+    llama.cpp (measured: docs/results/notes.md#code-exact-context; see ExactLimits.max_context).
     pad_rows: every pass (plain decoding's steps included) padded to that many rows (LM.pad_rows)."""
     with padding(lm, pad_rows):
         return _measure(lm, steps, max_size, pad_rows)
@@ -199,7 +198,7 @@ def _measure(lm, steps: int, max_size: int, pad_rows: int) -> ExactLimits:
 def padding_cost(lm, rows: int = PAD_ROWS, context: int = 128, rounds: int = 20) -> float:
     """A 1-token step padded to `rows` rows against an unpadded one, after `context` cached tokens: the ratio of the
     fastest of each, the two alternated (1.0: free). The fastest, not the median: a GPU's steps here are bound by
-    kernel launches whose jitter (+-20% run to run on an H200) would decide the choice by chance."""
+    kernel launches whose jitter would decide the choice by chance (docs/results/notes.md#code-padding-cost)."""
     lm.reset()
     lm.forward(_random_ids(lm, context, torch.Generator().manual_seed(1)), last_only=True)
     times: dict[int, list[float]] = {1: [], rows: []}

@@ -48,8 +48,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """probs [..., V] (unnormalised is fine) -> token ids [...], by inverting the float64 CDF with one
-    uniform draw per row: exact up to float64 rounding, never a zero-probability token, and ~10x
-    faster than torch.multinomial on a 150k vocabulary (4 ms a draw: 7% of a llama.cpp step)."""
+    uniform draw per row: exact up to float64 rounding, never a zero-probability token, and much
+    faster than torch.multinomial on a 150k vocabulary (measured: docs/results/notes.md#code-sampling)."""
     cdf = probs.cumsum(-1, dtype=torch.float64)  # (cast first, then summed: in float64)
     u = torch.rand(*cdf.shape[:-1], 1, generator=generator, dtype=torch.float64, device=cdf.device) * cdf[..., -1:]
     # the first index whose CDF exceeds u: a token with p = 0 repeats its predecessor's CDF, so never

@@ -3,13 +3,11 @@
 llama-cpp-python builds llama.cpp with OpenMP, and torch's wheels ship the libgomp it then uses too: a pass (or a
 parallel torch op) runs as an OpenMP parallel region whose calling thread is the master of its team, and libgomp
 keeps a pool of team threads per master thread for that thread's life. Once it manages more threads than there
-are CPUs, its threads stop spinning at barriers and sleep on a futex at each of the graph's many barriers.
-Measured on a 2-vCPU Xeon (default target, a 1-token pass after 128 cached): 64 ms from the first thread that ran
-a pass, 82-90 ms from any other thread after it (a server's worker, the slots of continuous batching, whichever
-leads a batched pass), and OMP_WAIT_POLICY or GOMP_SPINCOUNT do not help (active waiting makes the idle pool
-spin: 120 ms). So every llama_decode runs on one long-lived thread, whoever asks for it (`call`; the hand-over
-costs ~0.1 ms), and where torch computes beside llama.cpp in one process (a router's torch engine) its
-generations run there too (`steps_on`).
+are CPUs, its threads stop spinning at barriers and sleep on a futex at each of the graph's many barriers: a
+pass led by any thread but the first that ran one (a server's worker, a slot of continuous batching) is slower,
+and OMP_WAIT_POLICY or GOMP_SPINCOUNT do not help (measured: docs/results/notes.md#code-compute-thread). So every
+llama_decode runs on one long-lived thread, whoever asks for it (`call`; the hand-over is cheap), and where torch
+computes beside llama.cpp in one process (a router's torch engine) its generations run there too (`steps_on`).
 """
 from __future__ import annotations
 

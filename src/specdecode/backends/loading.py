@@ -29,8 +29,8 @@ from .torch_lm import CachedLM
 # torch's intra-op threads before a llama.cpp model lowered them to 1 (load_lm), if it did: torch
 # ships the libgomp that llama.cpp's passes then use too, every thread that runs a parallel torch op (the
 # verifier's argmax and softmax over the vocabulary) keeps a pool of its own, and with more pool threads than
-# CPUs libgomp's barriers sleep instead of spinning. Measured, Xeon, 2 vCPUs, `serve` (the engine on a worker
-# thread): 11.0 tok/s, 15.3 with torch on one thread. A torch model loaded afterwards gets them back.
+# CPUs libgomp's barriers sleep instead of spinning (measured: docs/results/notes.md#code-torch-threads). A torch
+# model loaded afterwards gets them back.
 _lowered_from: int | None = None
 _torch_models = False
 
@@ -83,7 +83,7 @@ INSTALL_HINT = 'pip install -e ".[models]"  (or: pip install {reqs})'
 
 def default_dtype(device: str) -> str:
     """bf16 on CUDA and on CPUs with AVX2 or better: decoding a batch of one is bound by reading the
-    weights, and bf16 halves that (measured ~2x on an AVX2-only EPYC too); fp32 on older CPUs."""
+    weights, and bf16 halves that (AVX2 too; measured: docs/results/notes.md#code-bf16); fp32 on older CPUs."""
     if device.startswith("cuda"):
         return "bf16"
     capability = torch.backends.cpu.get_cpu_capability()

@@ -1,9 +1,9 @@
 """The llama.cpp peers' process: llama-cpp-python's own greedy generation, run by path (never imported, so
 neither torch nor specdecode is loaded here) as a child of `specdecode bench` (peers.LlamaPeer).
 
-Why a process of its own: two llama.cpp models loaded in one process do not decode at the same speed (on an
-Intel Xeon the model loaded first decoded ~9% slower per token, whichever it was: our engine/peer 0.913 when
-ours loaded first, 1.085 when the peer did; measured on 2026-12-03, commit e58bbcb), so an in-process peer measures the load order.
+Why a process of its own: two llama.cpp models loaded in one process do not decode at the same speed (the one
+loaded first is slower, whichever it is: docs/results/notes.md#code-peer-process), so an in-process peer measures
+the load order.
 
 Protocol, one JSON object per line: the parent writes the settings, the child answers {"ready": true}; then
 each request {"prompt_ids", "max_new_tokens", "eos"} is answered {"token_ids", "new_tokens", "wall_s",

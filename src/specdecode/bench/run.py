@@ -79,9 +79,8 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
         for m in methods:
             _run_one(engine, {**prompts[0], "turns": None}, m, gamma, 8, temperature, seed, tree, peers)
         for i, p in enumerate(prompts):
-            # interleaved, prompt by prompt, each prompt's round starting one method later: in one process, of two
-            # generations alternated on the same prompts, whichever ran first decoded 6-9% slower (Zen 4, 4 long
-            # prompts), so no method keeps the first place
+            # interleaved, prompt by prompt, each prompt's round starting one method later: whichever runs first
+            # decodes slower (measured: docs/results/notes.md#code-order), so no method keeps the first place
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:
                 engine.history = histories[m]
                 rows += _turns(p, m, bar, lambda run, m: reuse(run, m, lambda: _run_one(

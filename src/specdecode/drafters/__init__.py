@@ -14,11 +14,9 @@ from __future__ import annotations
 
 from ..lazy import lazy_names
 
-# tokens of context the draft model sees (see DraftModel.window; --draft-window). Measured on long prompts
-# (scripts/draft_window_sweep.py; README): summaries, document questions, code edits and translations follow
-# the document from its start, which a trailing window cuts off: acceptance 0.62 with the whole text (1.3-2.3k
-# tokens), 0.19-0.22 with windows of 256-1,024 (0.20 with the first 64 tokens kept too), and the whole text
-# was faster despite its longer reading. So the window only bounds what a very long text costs the draft.
+# tokens of context the draft model sees (see DraftModel.window; --draft-window). Summaries, document questions,
+# code edits and translations follow the document from its start, which a trailing window cuts off (measured:
+# docs/results/notes.md#the-drafts-window), so the window only bounds what a very long text costs the draft.
 DRAFT_WINDOW = 4096
 
 _EXPORTS = {

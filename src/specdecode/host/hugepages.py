@@ -6,10 +6,9 @@ malloc, mapped in 4 KiB pages unless the process asks for huge ones, and where t
 (the default of Debian, Ubuntu and most clouds) nothing in llama.cpp asks. glibc does, for every block it maps,
 when started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc 2.35+); a tunable is read only at start-up, so
 the `specdecode` command starts the same command line again (execve: same process id) with it set, first thing in
-`cli.main` (before torch loads: ~0.1 s); a program that imports the package is never restarted. Measured (AMD EPYC
-Zen 4, 2 vCPUs, default pair, plain steps after HumanEval prompts, processes interleaved): 1.6 GB of the process in
-huge pages and steps ~1.5% faster (paired median ratios 0.973-0.992 against 0.983-0.988 between two default
-processes); MADV_COLLAPSE on the loaded buffers, the in-process alternative, fails with EINVAL on that kernel.
+`cli.main` (before torch loads: ~0.1 s); a program that imports the package is never restarted. Most of the weights
+then sit in huge pages and steps are a little faster; MADV_COLLAPSE on the loaded buffers, the in-process
+alternative, failed (measured: docs/results/notes.md#code-hugepages).
 
 SPECDECODE_HUGEPAGES=0 turns it off. Peers that `bench` and `loadtest` start get the environment as it was before
 (`user_env`): they run as a user would start them. Library users can set the variable themselves."""

@@ -187,10 +187,9 @@ def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int
         peers = [p for p in peers if p != "specdecode-p1"]
     results["config"].update(target=target, draft=draft, threads=threads, ctx_size=args.ctx_size,
                              llama_server=binary, serve_parallel_flag="--parallel" in flags)
-    # level by level, every peer at a level back to back: this VM's speed drifts by up to ~20% within half an hour
-    # (measured, Zen 4: llama-batched-bench's prompt speed 102 -> 82 tok/s), so peers measured minutes apart differ
-    # by the machine as much as by themselves; each level starts one peer later, so that no peer always goes first
-    # (the place in a round is worth a few per cent: alternated generations in one process)
+    # level by level, every peer at a level back to back: a VM's speed drifts within half an hour, so peers measured
+    # minutes apart differ by the machine as much as by themselves; each level starts one peer later, so that no
+    # peer always goes first (the place in a round is worth a few per cent; measured: docs/results/notes.md#code-order)
     argv_kw = {name: dict(threads=threads, ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None,
                           target=target, draft=draft, llama_server=binary, serve_flags=flags,
                           extra=shlex.split(args.llama_args if name.startswith("llama-server") else

@@ -12,17 +12,15 @@ from ..backends import time_mixing
 from ..host import cache_dir, write_json
 from .costs import CostModel, machine_key
 
-# tokens in one call over several generations (time_calls): every size to 16, where kernels change (on a Zen 4 over 8
-# slots, ms: 8: 226, 12: 279, 14: 331, 16: 280; the 8/12/16 points alone priced a 14-token call at 268), then a few
+# tokens in one call over several generations (time_calls): every size to 16, where kernels change (a few points
+# alone misprice the sizes between them: docs/results/notes.md#code-call-sizes), then a few
 CALL_SIZES = tuple(range(1, 17)) + (20, 24)
 CHUNK_SIZES = (32, 64, 128, 256)  # and the calls a prompt's chunk makes beside the others' decoding (plan_split's cuts)
 # A prompt's chunk beside decoding generations: a slot's default, N_BATCH tokens (one llama_decode call), the others'
 # steps between the calls. Bigger calls read a prompt faster per token, and at long contexts the others' steps go in
-# a call of their own (split.mixing), which each chunk adds. Measured, Xeon, 4 slots, 12 chat prompts of 617-1,914
-# tokens served 4 at a time: chunks of 128 (the smallest call within 10% of the cheapest per token at 128 cells),
-# first tokens p99 44.9 s, llama-server 29.5; chunks of 512, 27.4 s at the same
-# throughput, the others' steps p99 6.9 s apart (llama-server's 11.7: it reads up to 2,048 prompt tokens between two
-# steps). `serve --prefill-chunk` / Slots(prefill_chunk=) trade first tokens for steadier steps.
+# a call of their own (split.mixing), which each chunk adds: 512-token chunks gave served prompts' first tokens
+# sooner than 128-token ones at the same throughput (measured: docs/results/notes.md#code-call-sizes).
+# `serve --prefill-chunk` / Slots(prefill_chunk=) trade first tokens for steadier steps.
 CALLS_FORMAT = 3  # the cached table's format: 2, measured with every pass on the compute thread (1 was up to 25% slow),
 # every size to 16; 3: with what a tiled call spends per cell of another generation it mixes in ("per_cell")
 
@@ -61,8 +59,9 @@ LEARN_EVERY = 64  # observed calls between updates of the table the planners rea
 class CallCostTracker:
     """The measured table of whole calls, kept current by the calls that run: each decoding size's cost moves toward
     what its calls take (a running average), written into the table every LEARN_EVERY calls. The table was timed
-    with 128 tokens in each slot; served slots hold longer texts, whose calls cost more (on a Xeon, 8 slots: about 5%,
-    enough to make `auto` run below plain decoding). Prompts' chunk sizes (above the decoding sizes) stay as timed."""
+    with 128 tokens in each slot; served slots hold longer texts, whose calls cost more (enough to make `auto` run
+    below plain decoding: docs/results/notes.md#code-call-sizes). Prompts' chunk sizes (above the decoding sizes)
+    stay as timed."""
 
     def __init__(self, calls: CostModel, top: int = max(CALL_SIZES)):
         self.calls, self.top = calls, top
@@ -104,16 +103,14 @@ class BatchPricing(CostModel):
         cut = self._cut(now)
         floor = 0.05 * now.t(1)  # a pass is never free
         # the draft's passes at their cost alone: the others' tokens are in the target's call, not the draft's
-        # (which runs while they wait; priced as a share of others' draft calls, the 0.5B on a Zen 4 looked 2.6x
-        # cheaper beside 8 generations than alone, and auto ran it there: 13-15 tok/s offline against 22 plain).
+        # (which runs while they wait; priced as a share of others' draft calls, the draft looked cheaper beside
+        # other generations than alone, and auto ran it where it did not pay).
         # n tokens: the dearer of two prices, so that a guess pays whatever the others do. (1) Its share of a call
         # where every live generation does as this one, C(B n) / B, B = b + 1: each slot plans alone, so pricing
-        # only what a guess adds let every slot add one at once (Xeon, 4 slots: auto 24.6-25.2 tok/s against
-        # 25.8-26.4 plain, where C(4) < C(3) made a guess look free). (2) What it adds to the others' plain
-        # steps, C(b + n) - C(b + 1), over its plain share: where a call of every slot's guesses would reach a
-        # cheaper kernel but one slot's guesses alone do not (Zen 4, 8 slots: C(16) < C(12), so a guess looked
-        # nearly free as a share, while the real calls of 10-14 tokens cost 1.3-1.6x the 8 plain rows; auto
-        # 23.7-25.0 tok/s against 26.5-28.5 plain). C: the cheapest cut of that many tokens into calls.
+        # only what a guess adds let every slot add one at once. (2) What it adds to the others' plain steps,
+        # C(b + n) - C(b + 1), over its plain share: where a call of every slot's guesses would reach a cheaper
+        # kernel but one slot's guesses alone do not. Each price alone made auto slower than plain decoding
+        # (measured: docs/results/notes.md#code-batch-price). C: the cheapest cut of that many tokens into calls.
         live = b + 1
         plain = cut(live) / live
 

@@ -92,7 +92,7 @@ def _interpolate(table: dict[int, float], n: int) -> float:
         return table[xs[0]] * n / xs[0]
     if n > xs[-1]:  # beyond the last point: the last segment's slope, or the whole table's if that is steeper
         # (a last segment that falls, where a faster kernel starts, must not make every bigger pass cheaper still:
-        # measured on a Zen 4, calls over 4 slots of 12 tokens 328 ms, of 16 tokens 274)
+        # docs/results/notes.md#code-extrapolation)
         b = xs[-1]
         a, first = (xs[-2], xs[0]) if len(xs) > 1 else (0, 0)  # one point: through the origin (proportional)
         slope = max((table[b] - table.get(a, 0.0)) / (b - a), (table[b] - table.get(first, 0.0)) / (b - first))

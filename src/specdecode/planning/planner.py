@@ -17,8 +17,8 @@ MASS_COVER = 0.8  # without a cost model, draw children until they cover 80% of 
 # The per-token acceptance the auto method grants a draft model before it has run it: about the best a
 # same-family draft reaches (the default pair accepts 0.9-0.95 of its greedy guesses on easy code).
 AUTO_ALPHA = 0.9
-AUTO_MARGIN = 1.15  # and it must then beat plain decoding by 15%: measured on llama.cpp, 2 vCPUs, a chain modelled
-# at 1.09x realised 1.02x on HumanEval and 0.70x on MT-bench; probing the draft costs more than that gains
+AUTO_MARGIN = 1.15  # and it must then beat plain decoding by 15%: a chain modelled a little faster realised less,
+# and probing the draft costs more than that gains (measured: docs/results/notes.md#code-auto-margin)
 
 # Backing off: when the steps with the draft model yield fewer tokens per second than those without
 # (after BACKOFF_AFTER steps with it), skip it for `backoff` steps, doubling up to BACKOFF_MAX; after

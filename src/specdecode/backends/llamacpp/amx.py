@@ -40,7 +40,7 @@ def amx_usable(path: str | Path, lc) -> bool:
     on a CPU that has AMX) puts such weights in AMX buffers whenever repacking is on; compiled by GCC 12, the
     first batched matmul there dies of a general protection fault (its `_tile_loadconfig` declares an 8-byte
     operand, so the stores of the tile shapes before it are dropped as dead and `ldtilecfg` reads stack
-    garbage; seen on a 2-vCPU Intel Xeon with AMX, llama-cpp-python 0.3.36, Debian's GCC 12.2). Checked once
+    garbage; seen with llama-cpp-python 0.3.36: docs/results/notes.md#code-amx-crash). Checked once
     per library build, CPU and file, in a child process (where a crash costs nothing), and cached.
     lc: llama-cpp-python's bindings (lm._lib())."""
     path = Path(path)

@@ -179,8 +179,7 @@ class SharedContext:
         cparams = type(lm._cparams).from_buffer_copy(lm._cparams)
         cparams.n_ctx = max(cells, N_BATCH)
         # flash attention: its kernel skips the cells a query does not see, while plain attention multiplies every
-        # query by every cell of every slot (measured, default pair, 4 slots at ~300 tokens each: a 1-token
-        # decode step ~60 ms against ~40 ms alone)
+        # query by every cell of every slot (measured: docs/results/notes.md#code-shared-flash-attention)
         cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.ctx = lc.llama_init_from_model(lm._model, cparams)
         if not self.ctx:
@@ -197,9 +196,9 @@ class SharedContext:
 
     def time_calls(self, sizes, context: int = 128, repeats: int = 3, chunk_from: int = 32) -> dict[int, float]:
         """Seconds of one llama_decode call over m tokens, every slot `context` tokens in: the cost of the whole calls
-        batching decides by (one generation's table overstates them: measured, 4 x 1 token 127 ms, its 4-token pass
-        139 ms). Below `chunk_from` the tokens are spread over the slots round robin, logits for each (m = 6 over 4
-        slots: 2, 2, 1, 1 tokens); from it, as the calls a prompt makes while others decode: one slot's chunk of
+        batching decides by (one generation's table overstates them: docs/results/notes.md#code-whole-calls). Below
+        `chunk_from` the tokens are spread over the slots round robin, logits for each (m = 6 over 4 slots: 2, 2, 1, 1
+        tokens); from it, as the calls a prompt makes while others decode: one slot's chunk of
         m - (slots - 1) tokens (logits for its last) and one token of each other slot. The fastest of `repeats`
         rounds. Run it while no generation is live (it uses every slot)."""
         vocab = min(1000, self.lm.vocab_size)
@@ -227,11 +226,9 @@ class SharedContext:
         """Run the waiting passes (requests [tokens, rows, error], filled in here); returns the calls made. The
         shortest passes go first (one-token steps before prompts' chunks, short prompts before long ones), and
         `done(part)` hands each call's passes back as soon as it ends: a short prompt's first token does not wait
-        for a long prompt read in the same step (measured, Zen 4, 8 prompts arriving at once: every first token
-        came after both calls of their chunks, 7.0 s, llama-server's median 3.8 s). After each call, `more()`
-        gives the passes asked for meanwhile (a generation's next step, a cached prompt's one token): they go
-        before the longer passes still waiting, instead of after all of this round's calls (measured, Zen 4, 8
-        prompts at once, one of them cached: its first token came after both 3.5 s calls, 6.9 s)."""
+        for a long prompt read in the same step. After each call, `more()` gives the passes asked for meanwhile (a
+        generation's next step, a cached prompt's one token): they go before the longer passes still waiting,
+        instead of after all of this round's calls (measured: docs/results/notes.md#code-short-first)."""
         calls, todo = 0, sorted(batch, key=lambda r: len(r[0]))
         while todo:
             g = plan_split([len(r[0]) for r in todo], self.cost, cells=[1 + max(t[1] for t in r[0]) for r in todo],

@@ -35,8 +35,7 @@ MAX_CTX = 32768  # default context cap
 PARK = MAX_SEQ - 1  # exact mode: the sequence id that holds parked cells (seen by no query)
 # The context starts with this many cells and doubles while a generation needs more (reserve, sized up front for the
 # prompt and max_new_tokens): without flash attention values are stored transposed with a row stride of the cell
-# count, so a 33k-cell context made each decode step at 1,400 tokens ~15% slower than a 4k one (Zen 4, 2 vCPUs;
-# llama-cpp-python's Llama uses 4,096 too).
+# count, so a big context slows every decode step (measured: docs/results/notes.md#code-first-ctx).
 FIRST_CTX = 4096
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
                12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
@@ -99,11 +98,11 @@ class LlamaLM(LM):
         kernels with the pass size), and rejected tree nodes below an accepted one kept as parked cells (attention
         sums cells in cache order: later text must not fill those holes). exactness.py measures which pass sizes
         stay exact: 1-3 with repacked weights (repack, the default: groups of 4 take another kernel); 1-7 without
-        (K-quants go tiled from 8), but a 1-token pass is slower (Zen 4: 35 -> 44-53 ms).
+        (K-quants go tiled from 8), but a 1-token pass is slower (docs/results/notes.md#code-flash-attention).
         f32_kv: F32 keys/values, flash attention off (slower): logits independent of where a token's entry sits
         in the cache, so rollbacks can be checked to ~1e-6 (certify does).
-        flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: off, as llama-cpp-python's Llama runs plain decoding:
-        measured on a 2-vCPU Zen 4, a decode step at 1,400 tokens: 47 ms off, 51 ms with llama.cpp's auto)."""
+        flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: off, as llama-cpp-python's Llama runs plain decoding, a
+        little faster on CPUs; measured: docs/results/notes.md#code-flash-attention)."""
         lc = self._lc = _lib()
         self.path = Path(path)
         if not self.path.is_file():

@@ -5,9 +5,8 @@ CPU flash attention runs it as tiles, what those tiles cost for the other genera
 FA_TILE tokens or more is computed in tiles of FA_TILE query rows (GGML_FA_TILE_Q), and a tile skips a block of cache
 cells only where every row of it is masked there. A tile holding rows of two generations computes every block
 either of them sees: a prompt's chunk beside the one-token steps of generations far into their texts computes their
-cells too. Measured (Xeon, default pair, 4 slots): a 64-token chunk at 1,024 tokens with three steps at 1,500, one
-call 1,332 ms, the chunk alone and the steps alone 939; the same chunk with one step at 2,176 cells 138 ms dearer
-than at 128. A call under FA_TILE tokens attends row by row and skips each masked cell: mixing costs nothing there.
+cells too (measured: docs/results/notes.md#code-mixed-tiles). A call under FA_TILE tokens attends row by row and
+skips each masked cell: mixing costs nothing there.
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ def mixing(sizes: list[int], cells: list[int], in_use: int, per_cell: float) -> 
     on tiles that mix generations, if it is tiled (FA_TILE tokens or more) and holds several: `per_cell`
     (time_mixing) for each of the `in_use` cells of the cache (every generation's) but the cells of the
     biggest pass's generation. Not only the mixed-in generations' own: a decoding generation's cells lie one or a
-    few per step between everyone's, so a tile holding its row reads nearly every block of the cache (measured,
-    Xeon, 4 slots: a 128-token chunk with one step of a generation 700 cells in, 450 ms dearer than alone, where its
-    700 cells priced 50)."""
+    few per step between everyone's, so a tile holding its row reads nearly every block of the cache (measured:
+    docs/results/notes.md#code-mixed-tiles)."""
     if len(sizes) < 2 or sum(sizes) < FA_TILE or per_cell <= 0:
         return 0.0
     big = max(range(len(sizes)), key=sizes.__getitem__)
