@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .backends import compute
+from .backends import compute, torch_copy_bytes
 from .engine import Engine
 from .errors import InvalidField, SpecDecodeError
 from .host import cache_dir, memory_available, write_json
@@ -202,11 +202,11 @@ def torch_unsuited(engine: Engine) -> str | None:
     ratio = flat_ratio()
     if ratio > FLAT_RATIO:
         return f"a bf16 product over 16 rows costs {ratio:.1f}x one over 1 row here; torch joins at {FLAT_RATIO}x or less"
-    n = getattr(engine.target, "n_params", None)
-    need = 2 * n if n else None  # bf16: two bytes a parameter
+    n, path = getattr(engine.target, "n_params", None), getattr(engine.target, "path", None)
+    need = torch_copy_bytes(path, n) if n and path else None  # the first load converts the file: its peak counts
     free = memory_available()
     if need is not None and free is not None and free < 1.25 * need:
-        return f"the bf16 copy needs about {need / 2 ** 30:.1f} GiB; {free / 2 ** 30:.1f} GiB is available"
+        return f"loading the bf16 copy needs about {need / 2 ** 30:.1f} GiB; {free / 2 ** 30:.1f} GiB is available"
     return None
 
 

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 _EXPORTS = {"LM": ".base", "CachedLM": ".torch_lm",
             **dict.fromkeys(("BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET", "ChunkedGGUF", "as_lm", "assemble",
                              "cache_dir", "check_draft_vocab", "converted", "gguf_tokenizer", "load_draft_lm", "load_lm",
-                             "load_model", "load_tokenizer", "resolve_backend", "torch_threads_for"), ".loading"),
+                             "load_model", "load_tokenizer", "resolve_backend", "torch_copy_bytes",
+                             "torch_threads_for"), ".loading"),
             # the llama.cpp subpackage's names that code outside backends/ uses (continuous batching's slots, the
             # llama-server build): importing this package loads none of llama.cpp's modules or bindings
             **dict.fromkeys(("LlamaLM", "Lockstep", "NO_AMX_FLAGS", "node_ids", "time_mixing"), ".llamacpp")}
@@ -25,7 +26,7 @@ _EXPORTS = {"LM": ".base", "CachedLM": ".torch_lm",
 __all__ = ["LM", "CachedLM", "LlamaLM", "as_lm", "BACKENDS", "BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET",
            "DRAFT_QUANT_CHOICES", "ChunkedGGUF", "assemble", "cache_dir", "check_draft_vocab", "converted",
            "gguf_tokenizer", "load_draft_lm", "load_lm", "load_model", "load_tokenizer", "resolve_backend",
-           "torch_threads_for", "slots",
+           "torch_copy_bytes", "torch_threads_for", "slots",
            "Lockstep", "NO_AMX_FLAGS", "node_ids", "time_mixing"]
 
 

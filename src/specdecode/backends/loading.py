@@ -328,9 +328,7 @@ def converted(gguf: Path, dtype: str, progress: bool = True) -> Path:
     """Dequantize a GGUF file once into a safetensors directory in the cache; return that directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "converted" / f"{gguf.stem}-{key}-{dtype}"
+    out = converted_dir(gguf, dtype)
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -358,3 +356,19 @@ def converted(gguf: Path, dtype: str, progress: bool = True) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def converted_dir(gguf: Path, dtype: str) -> Path:
+    """Where `converted` keeps the GGUF file's dequantized copy (a directory with config.json once it is whole)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "converted" / f"{gguf.stem}-{key}-{dtype}"
+
+
+def torch_copy_bytes(gguf: Path, n_params: int, dtype: str = "bf16") -> int:
+    """Memory that loading a GGUF model on torch in `dtype` needs: its weights, and where it was never converted here
+    the conversion's peak, which holds the file being read, the dequantized tensors and the model at once."""
+    weights = DTYPES[dtype].itemsize * n_params
+    if (converted_dir(gguf, dtype) / "config.json").is_file():
+        return weights
+    return gguf.stat().st_size + 2 * weights
