@@ -27,7 +27,7 @@ from .backends import compute, torch_copy_bytes
 from .engine import Engine
 from .errors import InvalidField, SpecDecodeError
 from .host import cache_dir, memory_available, write_json
-from .methods import METHOD_TABLE
+from .methods import DEFAULT_GAMMA, METHOD_TABLE
 from .planning.costs import machine_key
 
 FLAT_RATIO = 1.5  # torch joins where a 16-row bf16 product costs at most this many 1-row ones
@@ -86,10 +86,13 @@ def read_seconds(engine: Engine, tokens: int = READ_TOKENS) -> float:
     return seconds
 
 
-def tokens_per_second(costs, context: int, alpha: float) -> float:
+def tokens_per_second(costs, context: int, alpha: float, gamma: int | None = None) -> float:
     """The best decoding rate on these pass costs at this context: plain steps (alpha 0), or chains of k guesses
-    each taken with probability alpha (Leviathan et al.'s expected tokens, the measured T(k+1))."""
+    each taken with probability alpha (Leviathan et al.'s expected tokens, the measured T(k+1)). gamma: a method
+    that drafts gamma guesses a pass whatever they cost (pld) is priced at that depth alone."""
     c = costs.at(context)
+    if gamma is not None and alpha > 0:
+        return (1 - alpha ** (gamma + 1)) / (1 - alpha) / c.t(gamma + 1)
     best = 1.0 / c.t(1)
     if alpha > 0:
         for k in sorted(c.target):
@@ -141,16 +144,18 @@ class Router:
         primary.tree_costs()
         return cls(engines)
 
-    def predict_s(self, name: str, prompt_tokens: int, new_tokens: int, alpha: float) -> float:
-        """Seconds this request should take on engine `name`: its prompt read, then its tokens decoded."""
+    def predict_s(self, name: str, prompt_tokens: int, new_tokens: int, alpha: float,
+                  gamma: int | None = None) -> float:
+        """Seconds this request should take on engine `name`: its prompt read, then its tokens decoded (gamma: see
+        tokens_per_second)."""
         costs = self.engines[name].tree_costs()
-        rate = tokens_per_second(costs, prompt_tokens + new_tokens // 2, alpha)
+        rate = tokens_per_second(costs, prompt_tokens + new_tokens // 2, alpha, gamma)
         return self.read_s.get(name, 0.0) * prompt_tokens + new_tokens / rate
 
-    def choose(self, prompt_tokens: int, new_tokens: int, alpha: float) -> str:
+    def choose(self, prompt_tokens: int, new_tokens: int, alpha: float, gamma: int | None = None) -> str:
         if len(self.engines) == 1:
             return next(iter(self.engines))
-        return min(self.engines, key=lambda n: self.predict_s(n, prompt_tokens, new_tokens, alpha))
+        return min(self.engines, key=lambda n: self.predict_s(n, prompt_tokens, new_tokens, alpha, gamma))
 
     def separate_encoder(self) -> None:
         for engine in self.engines.values():
@@ -180,7 +185,8 @@ class Router:
             # to the other engine, whose greedy text can differ at near-ties
             drafts = METHOD_TABLE[method].drafts and bool(prediction)
             new = len(prediction) if prediction else DEFAULT_NEW
-            name = self.choose(len(prompt_ids), new, COPY_ALPHA if drafts else 0.0)
+            gamma = kwargs.get("gamma", DEFAULT_GAMMA) if METHOD_TABLE[method].uses_gamma else None  # pld: its depth
+            name = self.choose(len(prompt_ids), new, COPY_ALPHA if drafts else 0.0, gamma)
         stream = self.engines[name].stream(prompt, **kwargs)
         if len(self.engines) > 1:
             stream.steps = compute.steps_on(stream.steps)  # one OpenMP pool for both engines (backends/compute.py)

@@ -40,6 +40,20 @@ def test_rates_follow_the_pass_costs():
     assert tokens_per_second(FLAT, 128, 0.95) > tokens_per_second(STEEP, 128, 0.95) > 1.0
 
 
+def test_pld_is_priced_at_the_depth_it_drafts(router):
+    """pld drafts gamma guesses a pass whatever they cost: a copy is priced at chains of gamma + 1 tokens, not at the
+    deepest chain the costs would pay for. Gamma 4 costs the flat engine nearly a plain step for 4.5 tokens, so the
+    steep one ends first; gamma 16 rides the flat engine's cheap wide passes. auto chooses its depth: the flat one."""
+    assert tokens_per_second(FLAT, 128, 0.95, gamma=4) == pytest.approx((1 - 0.95 ** 5) / 0.05 / FLAT.t(5))
+    assert tokens_per_second(FLAT, 128, 0.95, gamma=4) < tokens_per_second(FLAT, 128, 0.95)
+    old = "".join(f"def f{i}(a, b):\n    return a + {i}\n" for i in range(12))  # 376 tokens, one a character
+    prompt = "Rename:\n" + old
+
+    def engine(method, **kw):
+        return router.generate(prompt, method=method, max_new_tokens=4, prediction=old, **kw).stats.engine
+    assert (engine("pld", gamma=4), engine("pld", gamma=16), engine("auto")) == ("steep", "flat", "flat")
+
+
 def test_an_edit_with_a_prediction_goes_to_the_flat_engine_and_a_chat_stays(router):
     assert router.choose(1000, 400, 0.95) == "flat"
     assert router.choose(30, 200, 0.0) == "steep"
