@@ -353,38 +353,3 @@ def write(report: dict, out_dir: str | Path) -> Path:
     (out / "certificate.json").write_text(json.dumps(report, indent=1))
     (out / "certificate.md").write_text(markdown(report))
     return out
-
-
-def certify_command(args) -> int:
-    """`specdecode certify`: 0 when the certificate passed, 1 when a check failed."""
-    import sys
-
-    from .host import cpu_description
-    from .engine import Engine
-    from .methods import METHOD_TABLE, REQUIRED, names_where
-    drafting = names_where(drafts=True)  # every method but plain decoding, the yardstick
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in drafting]
-    if bad or not methods:
-        raise SpecDecodeError(f"unknown method(s) {', '.join(bad) or '(none)'} for certify; choose from "
-                              f"{', '.join(drafting)}")
-    if args.draws < 1000 or args.max_new_tokens <= 0:
-        raise SpecDecodeError("--draws must be at least 1000 and --max-new-tokens positive")
-    if args.route:
-        raise SpecDecodeError("certify checks one engine at a time; drop --route (or check each --backend)")
-    engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, progress=not args.json)
-    if engine.draft_model is None:
-        methods = [m for m in methods if METHOD_TABLE[m].needs_draft_model != REQUIRED]
-    report = certify(engine, methods=methods, draws=args.draws, max_new_tokens=args.max_new_tokens,
-                     seed=args.seed, progress=not args.json)
-    report["cpu"] = cpu_description()
-    if args.out:
-        write(report, args.out)
-    if args.json:
-        json.dump(report, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(markdown(report) + (f"\nwritten to {args.out}/\n" if args.out else ""))
-    return 0 if report["passed"] else 1

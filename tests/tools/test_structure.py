@@ -154,7 +154,8 @@ def test_no_import_cycles():
     for m in graph:
         if m.startswith("specdecode.drafters"):  # a chain is a plain loop of draft passes
             assert "specdecode.planning.tree" not in graph[m], m
-    assert graph["specdecode.engine"] >= {"specdecode.planning.tree", "specdecode.drafters", "specdecode.loop"}
+    assert graph["specdecode.engine"] >= {"specdecode.builders", "specdecode.drafters", "specdecode.loop"}
+    assert graph["specdecode.builders"] >= {"specdecode.planning.tree", "specdecode.drafters"}  # the methods' drafters
     assert graph["specdecode.loop"] >= {"specdecode.verify", "specdecode.drafters", "specdecode.prefill"}
     assert "specdecode.backends.loading" in graph["specdecode.engine"]  # imported only inside Engine.load: read too
     host = {f"specdecode.host.{m}" for m in ("machine", "hugepages", "imports", "threads")}
@@ -163,16 +164,19 @@ def test_no_import_cycles():
 
 
 # The package's layers, top first; everything else is the library, at the bottom. A module imports its own layer and
-# those below it, never one above: the library knows no command, and a command's package no dispatch.
+# those below it, never one above: the library knows no command, and nothing below the command line imports cli/.
 LAYERS = (
-    ("dispatch", ("specdecode.cli", "specdecode.__main__")),  # builds every command's parser
+    # the dispatch, the shared argument groups and generate, serve, index, certify; and the parsers of the commands
+    # that live in their own package, which the dispatch registers
+    ("command line", ("specdecode.cli", "specdecode.__main__", "specdecode.apply.cli", "specdecode.bench.cli",
+                      "specdecode.loadtest.cli")),
     ("commands", ("specdecode.server", "specdecode.bench", "specdecode.loadtest", "specdecode.apply")),
-    ("shared by commands", ("specdecode.commands", "specdecode.launch")),  # argument groups, extras; peers started
+    ("shared by commands", ("specdecode.launch",)),  # the servers bench and loadtest start, prompt files
 )
 
 
 def layer(module: str) -> int:
-    """How high `module` sits: 0 the library, len(LAYERS) dispatch."""
+    """How high `module` sits: 0 the library, len(LAYERS) the command line."""
     for i, (_, tops) in enumerate(LAYERS):
         if any(module == t or module.startswith(t + ".") for t in tops):
             return len(LAYERS) - i
@@ -184,20 +188,23 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_layers_are_what_the_package_holds():
-    assert layer("specdecode.cli") > layer("specdecode.server.app") > layer("specdecode.commands") > layer(
-        "specdecode.certify") == layer("specdecode.host.machine") == 0
-    assert layer("specdecode.bench.run") == layer("specdecode.loadtest.cli") == layer("specdecode.apply.client")
-    assert layer("specdecode.launch.describe") == layer("specdecode.commands")
+    assert layer("specdecode.cli.serve") == layer("specdecode.cli.args") == layer("specdecode.bench.cli") > layer(
+        "specdecode.server.app") > layer("specdecode.launch.describe") > layer("specdecode.certify") == layer(
+        "specdecode.host.machine") == 0
+    assert layer("specdecode.bench.run") == layer("specdecode.loadtest.soak") == layer("specdecode.apply.client")
     upward = upward_imports({"specdecode.certify": {"specdecode.bench"}})
     assert upward == ["specdecode.certify imports specdecode.bench"]
-    assert upward_imports({"specdecode.server.cli": {"specdecode.commands", "specdecode.engine"}}) == []
+    assert upward_imports({"specdecode.server.app": {"specdecode.cli.args"}}) == [
+        "specdecode.server.app imports specdecode.cli.args"]  # nothing below the command line imports cli/
+    assert upward_imports({"specdecode.cli.serve": {"specdecode.server.app", "specdecode.engine"},
+                           "specdecode.bench.cli": {"specdecode.cli.args", "specdecode.bench.run"}}) == []
 
 
 def test_imports_go_down_the_layers():
     modules = {".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__"): p
                for p in SRC.rglob("*.py")}
     graph = {m: {i.removesuffix(".__init__") for i in _module_imports(p)} for m, p in modules.items()}
-    assert graph["specdecode.cli"] >= {"specdecode.server.cli", "specdecode.bench.cli"}  # the walk sees them
+    assert graph["specdecode.cli.dispatch"] >= {"specdecode.cli.serve", "specdecode.bench.cli"}  # the walk sees them
     assert upward_imports(graph) == []
 
 
@@ -210,7 +217,7 @@ def test_the_load_test_and_the_command_line_load_no_torch():
     does."""
     light = ["specdecode", "specdecode.cli", "specdecode.checks", "specdecode.params", "specdecode.methods",
              "specdecode.bench", "specdecode.bench.cli", "specdecode.backends", "specdecode.drafters",
-             "specdecode.commands"] + \
+             "specdecode.cli.args", "specdecode.cli.serve", "specdecode.cli.generate", "specdecode.cli.load"] + \
         [f"specdecode.{p.parent.name}.{p.stem}".removesuffix(".__init__")
          for d in ("loadtest", "launch") for p in sorted((SRC / d).glob("*.py"))]
     assert "specdecode.loadtest.cli" in light

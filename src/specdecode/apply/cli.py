@@ -1,7 +1,7 @@
 """`specdecode apply FILE INSTRUCTION`: a local "fast apply". The file goes into a chat prompt and, fenced as the answer
 should be, into the prediction (Predicted Outputs), so the lines the edit keeps are verified many tokens a pass; the
 answer's code block is the new file, printed as a unified diff or written in place (text.py). The model runs here
-(commands.load_engine, with generate's arguments) or in a running `specdecode serve` (--server, client.py). No
+(cli/load.py, with generate's arguments) or in a running `specdecode serve` (--server, client.py). No
 torch at module level: the parser is built before anything loads it."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..commands import load_engine, model_args, sampling_args, speculation_args, tree_kwargs
+from ..cli.args import model_args, sampling_args, speculation_args, tree_kwargs
+from ..cli.load import load_engine
 from ..errors import SpecDecodeError
 from .text import (NoCodeBlock, answer_budget, build_request, extract_block, match_final_newline, read_source,
                    unified_diff, write_atomically)

@@ -9,7 +9,7 @@ from ..host import MODEL_IMPORTS, import_frozen
 
 def add_parser(sub) -> None:
     """`specdecode bench`"""
-    from ..commands import backend_args, lookup_args, tree_args
+    from ..cli.args import backend_args, gamma_arg, lookup_args, models_args, tree_args
     from ..methods import in_default_run, method_names
     from .peers import PEERS
     methods = method_names()
@@ -20,15 +20,12 @@ def add_parser(sub) -> None:
                    help=f"comma-separated: {','.join(methods)},{PEERS[0]} (torch),{','.join(PEERS[1:])} "
                         f"(llama.cpp peers; default: {','.join(sorted(in_default_run('bench_default')))} and "
                         "the backend's peers)")
-    b.add_argument("--gamma", type=int, default=4, help="draft tokens per pass of the chain methods")
+    gamma_arg(b, help="draft tokens per pass of the chain methods")
     tree_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--target", default=None)
-    b.add_argument("--draft", default=None)
-    b.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
-    b.add_argument("--device", default=None)
+    models_args(b)
     backend_args(b)
     lookup_args(b, history=True, history_default=0)
     b.add_argument("--all-turns", action="store_true", help="chat prompts with several turns: run every turn, "
@@ -41,7 +38,8 @@ def add_parser(sub) -> None:
 
 def bench(args) -> None:
     from ..checks import positive_int
-    from ..commands import require_extra, tree_kwargs
+    from ..cli.args import tree_kwargs
+    from ..cli.extras import require_extra
     require_extra("bench")
     import_frozen(MODEL_IMPORTS)
     from . import (check_methods, default_methods, load_prompts, needs_draft_model, parse_methods, report,

@@ -5,8 +5,8 @@
 Four parts: `protocol` (request and response models: the wire format, and how bad input becomes an
 OpenAI-style error), `scheduler` (the one worker thread, its bounded FIFO queue, cancellation and
 deadlines; no HTTP), `service` (what the routes do: a request opened as an Engine stream, queued, and its
-events turned into a response) and `app` (the FastAPI app, its routes and middleware, and `serve`); `cli`
-holds the command's arguments.
+events turned into a response) and `app` (the FastAPI app, its routes and middleware, and `run`); the command,
+its arguments and the models it loads are in cli/serve.py.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream false or true;
 streams are server-sent events in OpenAI's chunk format ending with `data: [DONE]`), GET /health,
@@ -24,11 +24,11 @@ from ..lazy import lazy_names
 # app.py, so that the soak test's judgement reads it without the server's packages
 GRACEFUL_SHUTDOWN_S = 10
 
-# each name and its module, imported on first use: the CLI builds serve's parser (cli.py) without the extra
-_EXPORTS = {"create_app": ".app", "serve": ".app", "ray_app": ".ray_serve", "serve_ray": ".ray_serve",
+# each name and its module, imported on first use: the CLI builds serve's parser (cli/serve.py) without the extra
+_EXPORTS = {"create_app": ".app", "run": ".app", "ray_app": ".ray_serve", "run_ray": ".ray_serve",
             "engine_lock": ".scheduler"}
 
-__all__ = ["create_app", "serve", "engine_lock", "ray_app", "serve_ray"]
+__all__ = ["create_app", "run", "engine_lock", "ray_app", "run_ray"]
 
 
 __getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

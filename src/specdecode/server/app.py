@@ -1,5 +1,6 @@
 """The HTTP app: FastAPI routes that turn requests into Engine streams for the worker, and the worker's
-events into responses (service.py: what the routes do); plus `serve`, which loads the models and runs uvicorn.
+events into responses (service.py: what the routes do); plus `run`, which serves it with uvicorn (the command that
+loads the models: cli/serve.py).
 """
 # No `from __future__ import annotations`: the POST routes are annotated with per-app request models.
 import hmac
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..checks import positive_int
 from ..errors import (InvalidField, MethodNotAllowed, NotFound, RequestTooLarge, ServerFault, SpecDecodeError,
                       Unauthorized, UnsupportedMediaType)
-from ..methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, REQUIRED, get_method, wants_draft_model
+from ..methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, REQUIRED
 from . import GRACEFUL_SHUTDOWN_S, protocol as p
 from .metrics import Metrics
 from .scheduler import Worker
@@ -387,7 +388,7 @@ def _version() -> str:
     return __version__
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -396,80 +397,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def check_serve_args(args) -> str | None:
-    """The server's own command-line settings (`serve`, `serve --ray`), checked before any model loads; returns
-    the API key in force (--api-key, else $SPECDECODE_API_KEY, else None)."""
-    import os
-    if not 0 <= args.port <= 65535:
-        raise SpecDecodeError(f"--port must be in 0..65535, got {args.port}")
-    positive_int("--max-queue", args.max_queue)
-    if not args.timeout > 0 or math.isinf(args.timeout):
-        raise SpecDecodeError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    for flag, value, least in (("--max-tokens", args.max_tokens, 1), ("--ctx-size", args.ctx_size, 2),
-                               ("--parallel", getattr(args, "parallel", 1), 1),
-                               ("--prefill-chunk", getattr(args, "prefill_chunk", None), 1)):
-        if value is not None and value < least:
-            raise SpecDecodeError(f"{flag} must be at least {least}, got {value}")
-    if (getattr(args, "prefill_chunk", None) or 0) > 512:
-        raise SpecDecodeError(f"--prefill-chunk must be at most 512 (one llama_decode call), got {args.prefill_chunk}")
-    if getattr(args, "parallel", 1) > 1 and args.exact:
-        raise SpecDecodeError("--exact serves one request at a time: with --parallel, llama.cpp places the cache cells of "
-                              "several generations itself, so attention may sum in another order than alone")
-    if not 1 <= args.gamma <= p.MAX_GAMMA:
-        raise SpecDecodeError(f"--gamma must be in 1..{p.MAX_GAMMA} (this server's limit), got {args.gamma}")
-    if get_method(args.method).needs_draft_model == REQUIRED and args.target is not None and args.draft is None:
-        raise SpecDecodeError(f"method {args.method!r} needs a draft model (--draft); or use --method pld / "
-                              "autoregressive")
-    if args.api_key is not None and not args.api_key:
-        raise SpecDecodeError("--api-key must not be empty")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECDECODE_API_KEY") or None
-    if getattr(args, "protect_all", False) and api_key is None:
-        raise SpecDecodeError("--protect-all needs an API key (--api-key or $SPECDECODE_API_KEY)")
-    return api_key
-
-
-def serve(args) -> None:
-    """`specdecode serve`: load the models, then run uvicorn until interrupted."""
-    import sys
-
-    from ..backends import DEFAULT_TARGET
-    from ..routing import loader
-    api_key = check_serve_args(args)  # before a model load that can take a minute
-    model_id = args.served_model_name or _model_name(args.target or DEFAULT_TARGET)
-    engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, with_draft=wants_draft_model([args.method]) or args.draft is not None,
-                         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore, history_tokens=args.history_tokens,
-                         prompt_cache=not args.no_prompt_cache)  # per API key (Service._scope); slots copy it
-    engine.tree_costs()  # measure pass costs now (once per machine): any request may ask for a method that uses them
-    if args.ctx_size is not None:  # after measuring, which times passes at long contexts
-        if args.ctx_size > engine.target.max_length:
-            raise SpecDecodeError(f"--ctx-size {args.ctx_size} is more than the model's context "
-                                  f"({engine.target.max_length} tokens)")
-        engine.target.max_length = args.ctx_size  # prompt + output of every request, the Engine's limit
-    if args.exact:
-        engine.exact_limits()  # measure the exact pass sizes now (once per machine), not in the first request
-    slots = None
-    if args.parallel > 1:
-        from ..slots import Slots
-        slots = Slots(engine, args.parallel, prefill_chunk=args.prefill_chunk, context=args.ctx_size)
-    app = create_app(engine, model_id=model_id, method=args.method, gamma=args.gamma, api_key=api_key,
-                     protect_all=args.protect_all, max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
-                     show_sources=args.speculation_sources, slots=slots)
-    if not _is_loopback(args.host) and api_key is None:
-        sys.stderr.write(f"specdecode: warning: listening on {args.host} without an API key (--api-key)\n")
-    sys.stderr.write(f"specdecode: serving {model_id!r} at http://{args.host}:{args.port}/v1 "
-                     f"(method {args.method}, gamma {args.gamma}, backend {engine.backend}, "
-                     f"{args.parallel} at once" + (f", prompts read {slots.prefill_chunk} tokens a pass beside "
-                                                    "others' decoding" if slots else "") + ")\n")
+def run(app: FastAPI, host: str, port: int) -> None:
+    """Serve `app` with uvicorn on host:port until interrupted."""
     try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+        Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on, as uvicorn.run does not
         pass
 
 
-def _model_name(target: str) -> str:
-    from pathlib import Path
+def model_name(target: str) -> str:
+    """The model id a server answers to by default: a GGUF file's stem, a directory's name, else the name."""
     path = Path(target)
     return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else target)

@@ -201,12 +201,12 @@ def ray_app(target: str | None = None, draft: str | None = None, *, method: str 
     from fastapi import FastAPI
     from ..methods import wants_draft_model
     from ..backends import DEFAULT_TARGET
-    from .app import _model_name
+    from .app import model_name
     positive_int("threads", threads)
     scaling = _scaling(replicas, autoscale, target_ongoing_requests)
     load.setdefault("with_draft", wants_draft_model([method]) or draft is not None)
     load = dict(load, target=target, draft=draft, threads=threads)
-    app = dict(model_id=served_model_name or _model_name(target or DEFAULT_TARGET), method=method, gamma=gamma,
+    app = dict(model_id=served_model_name or model_name(target or DEFAULT_TARGET), method=method, gamma=gamma,
                api_key=api_key, protect_all=protect_all, max_queue=max_queue, timeout_s=timeout_s,
                max_tokens_cap=max_tokens_cap)
     deployment = serve.deployment(
@@ -282,33 +282,16 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def serve_ray(args) -> None:
-    """`specdecode serve --ray`: the replicas on Ray Serve, until interrupted."""
-    from .app import check_serve_args
-    api_key = check_serve_args(args)  # the same settings as `serve`'s, before Ray starts
-    if getattr(args, "parallel", 1) > 1:
-        raise SpecDecodeError("--parallel is not available inside Ray replicas yet: scale with --replicas or --autoscale")
-    autoscale = parse_autoscale(args.autoscale) if args.autoscale else None
-    most = autoscale[1] if autoscale else (args.replicas or 1)
-    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // most)
-    app = ray_app(args.target, args.draft, method=args.method, gamma=args.gamma, replicas=args.replicas or 1,
-                  autoscale=autoscale, threads=threads, served_model_name=args.served_model_name, api_key=api_key,
-                  protect_all=args.protect_all,
-                  max_queue=args.max_queue, timeout_s=args.timeout, max_tokens_cap=args.max_tokens,
-                  ctx_size=args.ctx_size, backend=args.backend,
-                  dtype=args.dtype, device=args.device, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                  draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact,
-                  datastore=args.datastore, history_tokens=args.history_tokens,
-                  prompt_cache=not args.no_prompt_cache)
+def run_ray(app, host: str, port: int, scale: str, settings: str) -> None:
+    """Run `app` (ray_app's) on Ray Serve at host:port until interrupted; `scale` and `settings` describe it in the
+    lines printed."""
     import ray
     from ray import serve
-    start(args.host, args.port)
+    start(host, port)
     for sig in (signal.SIGINT, signal.SIGTERM):  # both stop it in order (Ray's own SIGTERM handler leaves agents
         signal.signal(sig, _interrupt)           # behind; a shell's background job starts with SIGINT ignored)
     try:
-        scale = (f"{autoscale[0]}..{autoscale[1]} replicas (autoscaled)" if autoscale
-                 else f"{args.replicas or 1} replica(s)")
-        sys.stderr.write(f"specdecode: starting {scale} x {threads} thread(s) on Ray Serve; loading the models\n")
+        sys.stderr.write(f"specdecode: starting {scale} on Ray Serve; loading the models\n")
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:  # a replica's constructor failed: its traceback is in the log above
@@ -316,8 +299,8 @@ def serve_ray(args) -> None:
         except Exception as e:  # Ray itself (its controller or proxy died): one line, not Ray's traceback
             first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
             raise SpecDecodeError(f"Ray Serve could not deploy the replicas: {type(e).__name__}: {first}") from None
-        sys.stderr.write(f"specdecode: serving at http://{args.host}:{args.port}/v1 on every node of the Ray cluster "
-                         f"(method {args.method}, gamma {args.gamma}); Ctrl-C stops it\n")
+        sys.stderr.write(f"specdecode: serving at http://{host}:{port}/v1 on every node of the Ray cluster "
+                         f"({settings}); Ctrl-C stops it\n")
         while True:
             time.sleep(3600)
     finally:

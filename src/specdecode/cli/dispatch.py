@@ -1,5 +1,6 @@
-"""Command line: `specdecode generate ...` (and `python -m specdecode ...`). This module only dispatches: each
-command's parser and code live with its package (`add_parser` there sets the function that runs it).
+"""The command line's dispatch: `specdecode COMMAND ...` (and `python -m specdecode ...`). Each command's parser
+and code live in a module of its own (`add_parser` there sets the function that runs it): generate, serve, index and
+certify in this package, apply, bench and loadtest in theirs.
 
 Nothing here imports torch at module level: main() restarts the command for huge pages (host/hugepages.py)
 before any command's parser or code loads it."""
@@ -8,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import SpecDecodeError
-from .host import restart_if_command
+from ..errors import SpecDecodeError
+from ..host import restart_if_command
 
 
 class _Parser(argparse.ArgumentParser):
@@ -20,12 +21,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser_adders() -> list:
     """Each command's add_parser, in --help's order (loadtest's reads serve's options: it comes after)."""
-    from .apply.cli import add_parser as apply
-    from .bench.cli import add_parser as bench
-    from .commands import add_certify_parser as certify, add_generate_parser as generate
-    from .drafters.datastore import add_index_parser as index
-    from .loadtest.cli import add_parser as loadtest
-    from .server.cli import add_parser as serve
+    from ..apply.cli import add_parser as apply
+    from ..bench.cli import add_parser as bench
+    from ..loadtest.cli import add_parser as loadtest
+    from .certify import add_parser as certify
+    from .generate import add_parser as generate
+    from .index import add_parser as index
+    from .serve import add_parser as serve
     return [generate, apply, bench, serve, index, certify, loadtest]
 
 
@@ -49,6 +51,3 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("specdecode: interrupted\n")
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
