@@ -1,7 +1,7 @@
 """A generation request's arguments, checked without models (Engine.check: front ends call it before
-loading them), a tree's size checked against what the models hold (tree_nodes_cap), before any model work, and
-the positive-integer check every layer uses (positive_int, from errors.py). Torch-free, and so is what
-check_request imports: the command line checks a request before torch loads, and the load test uses positive_int."""
+loading them), and the positive-integer check every layer uses (positive_int, from errors.py). Torch-free, and so
+is what check_request imports: the command line checks a request before torch loads, and the load test uses
+positive_int. A tree's size against what the models hold is checked where its drafter is built (builders.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from .params import SamplingParams
 
 STOP_CHARS_MAX = 4096  # characters of stop strings one generation may ask for, all together
-FIXED_TREE_NODES = 256  # nodes per pass of a tree whose size the cost model does not choose, at most
 
 
 def check_request(*, method: str = DEFAULT_METHOD, gamma: int = DEFAULT_GAMMA, max_new_tokens: int = 128,
@@ -39,21 +38,3 @@ def check_request(*, method: str = DEFAULT_METHOD, gamma: int = DEFAULT_GAMMA, m
             takes = " or ".join(repr(n) for n, t in METHOD_TABLE.items() if t.tree_options)
             raise InvalidField(f"{name} applies to method {takes} only (method is {method!r})", param=name)
     return params
-
-
-def tree_nodes_cap(request, lms) -> int:
-    """The most tree nodes one pass of this request may verify: what every model's cache holds (LM.max_tree_nodes)
-    and at most FIXED_TREE_NODES (a tree of fixed width grows up to width**2 nodes per depth). SpecDecodeError
-    naming the parameter when the request asks for a tree that a model's cache cannot hold."""
-    from .planning.planner import MAX_DEPTH
-    caps = [lm.max_tree_nodes for lm in lms if lm is not None and lm.max_tree_nodes is not None]
-    cap = min(caps, default=None)
-    if cap is not None and request.tree_nodes is not None and request.tree_nodes > cap:
-        raise InvalidField(f"tree_nodes must be at most {cap} with this model: its cache holds {cap} tree nodes "
-                           f"per pass (got {request.tree_nodes})", param="tree_nodes")
-    depth = request.tree_depth or MAX_DEPTH  # the draft model reads up to width frontier nodes per depth
-    if cap is not None and request.tree_width is not None and request.tree_width * depth > cap:
-        raise InvalidField(f"tree_width x tree_depth must be at most {cap} with this model: its cache holds {cap} "
-                           f"tree nodes (got {request.tree_width} x {depth}; the depth is {MAX_DEPTH} at most "
-                           "when the cost model chooses it)", param="tree_width")
-    return request.tree_nodes or min(cap or FIXED_TREE_NODES, FIXED_TREE_NODES)

@@ -9,22 +9,19 @@ from typing import Iterator
 import torch
 
 from .backends import as_lm, torch_threads_for
-from .checks import check_request, positive_int, tree_nodes_cap
-from .drafters import (DRAFT_WINDOW, Datastore, DraftModel, History, Lookup, PromptLookup,
-                       check_compatible, followed, tokenizer_fingerprint)
+from .checks import check_request, positive_int
+from .builders import Parts
+from .drafters import DRAFT_WINDOW, Datastore, DraftModel, History, check_compatible, tokenizer_fingerprint
 from .errors import InvalidField, SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits, padding
 from .lease import Lease, tokenizer_lock
-from .methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, NO, DraftRequest, method_names
-from .sampling import SamplingParams
+from .methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, NO, DraftRequest, get_method, method_names
 from .stats import Generation, Stats
 from .textstream import TextStream
-from .planning.tree import TreeDrafter, TreeState, draft_model_can_pay
 from .loop import speculative_decode
 from .prefill import Interrupt, cache_kept_for_reuse, interruptible, text_budget
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
-AUTO_PROBE_STEPS = 4  # auto's first steps without the draft model: a measured baseline to compare it with
 
 
 class Engine:
@@ -63,7 +60,8 @@ class Engine:
             if draft_window is not None:
                 positive_int("draft_window", draft_window)
             self.draft_model = DraftModel(draft_model, self.vocab_size, draft_window)
-        self.eos_ids = self.target.eos_token_ids | self.target.eog_ids | ({tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
+        eos = tokenizer.eos_token_id
+        self.eos_ids = self.target.eos_token_ids | self.target.eog_ids | ({eos} if isinstance(eos, int) else set())
         self.costs = None  # the tree method's CostModel, measured (or read from the cache) on first use
         self._exact_limits = None  # exact mode's ExactLimits, likewise
         self.progress = True
@@ -101,10 +99,6 @@ class Engine:
         self.draft_model.truncate([i for i in keep if i < self.vocab_size])
         return len(self.draft_model.keep)
 
-    def _lookup(self, request: DraftRequest) -> Lookup:
-        return Lookup(request.history, self.datastore, copies=followed(request.prompt_ids, request.prediction_ids))
-
-
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
              dtype: str | None = None, device: str | None = None, with_draft: bool = True, progress: bool = True,
@@ -115,8 +109,8 @@ class Engine:
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
-        "torch" or "llama.cpp" (routing.Router.load: a GGUF target on both, each request on the faster). draft_quant (llama.cpp): "auto" runs the draft in whichever of its
-        file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output's law),
+        "torch" or "llama.cpp" (routing.Router.load: a GGUF target on both, each request on the faster).
+        draft_quant (llama.cpp): "auto" runs the draft in whichever of its file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output's law),
         "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine.
         draft_vocab (torch): truncate the draft's output layer to this many most frequent tokens of
         draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab. draft_window: the
@@ -262,7 +256,7 @@ class Engine:
         request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens,
                                self.history if history is None else history, tuple(prompt_ids),
                                self.encode_prediction(prediction))
-        drafter = m.make_drafter(self, request)
+        drafter = m.make_drafter(self.parts(), request)
         stop_ids = self._stop_ids(stop)
         generator = torch.Generator()
         if seed is None:
@@ -302,7 +296,7 @@ class Engine:
         if m.uses_cost_model:
             stats.plain_step_s = self.costs.t(1, prompt_tokens)
         if m.shape is not None:
-            stats.tree = m.shape(self, drafter, request)
+            stats.tree = m.shape(drafter, request)
         if m.uses_lookup_sources and drafter.lookup is not None:
             stats.lookup_sources = drafter.lookup.sources
         elif m.prompt_lookup:
@@ -335,70 +329,10 @@ class Engine:
 
     check = staticmethod(check_request)  # the request's arguments, checked without models (checks.py)
 
-    def _drafter(self, method: str, gamma: int, params: SamplingParams, width=None, depth=None, nodes=None,
-                 max_new_tokens: int | None = None):
-        """The drafter of one generation as methods.METHOD_TABLE builds it (arguments checked by `check`)."""
-        return METHOD_TABLE[method].make_drafter(self, DraftRequest(gamma, params, width, depth, nodes, max_new_tokens,
-                                                                         self.history))
+    def parts(self) -> Parts:
+        """What a generation's drafter is built from (builders.py): the pass costs are measured on first use."""
+        return Parts(self.target, self.draft_model, self.tree_costs, self.datastore)
 
-    # the drafters of the built-in methods (methods.METHOD_TABLE names them). Every generation plans with a
-    # fresh TreeState: a tree's shape (so a near-tie's side) never depends on what this Engine generated before
-    def _lookup_drafter(self, request: DraftRequest):
-        """lookup guesses only, planned on the measured costs: no draft model"""
-        drafter = TreeDrafter(None, lookup=self._lookup(request), costs=self.tree_costs(), state=TreeState(),
-                              chains_only=bool(self._tree_error(None)))  # a model that cannot run trees: one chain
-        return self._fit(drafter, None)
-
-    def _auto_drafter(self, request: DraftRequest):
-        costs = self.tree_costs()
-        model = self.draft_model if self.draft_model is not None and draft_model_can_pay(
-            costs, window=self.draft_model.view_window) else None
-        state = TreeState()
-        # the first steps run without the draft model, so that its measured rate is compared with a
-        # measured rate of the steps without it (tree.TreeDrafter._learn_rate), not with a model of it
-        state.plain_left = AUTO_PROBE_STEPS if model is not None else 0
-        state.measure = True
-        # lazy: the draft reads the text only when a step runs it, and a step runs it only when the
-        # seconds it should save before max_new_tokens pay for that reading (tree.TreeDrafter._model_pays)
-        return self._fit(TreeDrafter(model, pld=True, costs=costs, state=state, lookup=self._lookup(request), lazy=True,
-                                     remaining=request.max_new_tokens, chains_only=bool(self._tree_error(model))),
-                         model)
-
-    def _fit(self, drafter: TreeDrafter, model) -> TreeDrafter:
-        """The drafter's trees within what the caches of the models it runs hold (a batch slot: its share of ids)."""
-        held = self._ids_held(model)
-        if held is not None:
-            drafter.limit_tree(held)
-        return drafter
-
-    def _ids_held(self, model) -> int | None:
-        """Tree nodes the caches of the target and this draft model hold at once (None: no cap)."""
-        caps = [lm.max_tree_nodes for lm in (self.target, model.lm if model is not None else None)
-                if lm is not None and lm.max_tree_nodes is not None]
-        return min(caps, default=None)
-
-    def _tree_drafter(self, request: DraftRequest):
-        error = self._tree_error(self.draft_model)
-        if error:  # before any model work
-            raise SpecDecodeError(error)
-        cap = tree_nodes_cap(request, (self.target, self.draft_model.lm if self.draft_model else None))
-        drafter = TreeDrafter(self.draft_model, pld=True, width=request.tree_width, depth=request.tree_depth,
-                              nodes=request.tree_nodes, costs=self.tree_costs(), state=TreeState(),
-                              lookup=self._lookup(request))
-        # passes no bigger than the caches hold (a copy's chain needs no tree-node ids)
-        drafter.limit_tree(cap, self._ids_held(self.draft_model))
-        return drafter
-
-    def _pld_drafter(self, request: DraftRequest):
-        copies = followed((), request.prediction_ids, start=len(request.prompt_ids))
-        return PromptLookup(prediction=copies[0] if copies else None)
-
-    def _draft_drafter(self, request: DraftRequest):
-        if self.draft_model is None:
-            raise InvalidField("method 'draft' needs a draft model (pass --draft / draft=...)", param="method")
-        return self.draft_model
-
-    def _tree_error(self, draft_model) -> str | None:
-        """Why the target or this draft model cannot run token trees (None: both can)."""
-        lms = (self.target, draft_model.lm if draft_model is not None else None)
-        return next((e for e in (lm.tree_error() for lm in lms if lm is not None) if e), None)
+    def drafter(self, method: str, request: DraftRequest):
+        """The drafter of one generation as methods.METHOD_TABLE builds it (the request checked by `check`)."""
+        return get_method(method).make_drafter(self.parts(), request)

@@ -1,14 +1,15 @@
 """The method table: what each decoding method needs and how its drafter is built, in one place.
 
-The Engine (validation, building the drafter, filling in Stats), the CLI, the server and the bench read
-this table instead of naming methods. Adding a method is one `Method` entry in METHOD_TABLE plus its
-drafter (a `Drafter`, see drafters/base.py) and the function that builds it.
+The Engine (validation, building the drafter, filling in Stats), the CLI, the server, the router and the bench
+read this table instead of naming methods. Adding a method is one `Method` entry in METHOD_TABLE plus its
+drafter (a `Drafter`, see drafters/base.py) and the function that builds it (builders.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import builders
 from .errors import InvalidField
 from .params import SamplingParams
 
@@ -47,9 +48,10 @@ class Method:
     drafts: it speculates at all (False only for plain decoding).
     bench_default: its place in the bench's default run (None: only when asked for).
     certify_default: its place in the methods `specdecode certify` checks by default (None: only when asked for).
-    build: what constructs its drafter: the name of an Engine method, or a callable, called with the
-      DraftRequest (a callable also gets the engine first); None: no drafter (plain decoding).
-    shape: the method's entry in Stats.tree, from (engine, drafter, request); None: none.
+    routable: a router may run it on any of its engines (it needs no draft model); others run on the first.
+    build: what constructs its drafter, called with the engine's parts (builders.Parts) and the DraftRequest
+      (builders.py holds the built-in methods'); None: no drafter (plain decoding).
+    shape: the method's entry in Stats.tree, from (drafter, request); None: none.
     """
     name: str
     summary: str
@@ -64,23 +66,20 @@ class Method:
     drafts: bool = True
     bench_default: int | None = None
     certify_default: int | None = None
-    build: str | Callable[..., Any] | None = None
-    shape: Callable[..., dict | None] | None = None
+    routable: bool = False
+    build: Callable[[builders.Parts, DraftRequest], Any] | None = None
+    shape: Callable[[Any, DraftRequest], dict | None] | None = None
 
-    def make_drafter(self, engine, request: DraftRequest):
-        """The drafter of one generation on `engine` (None: plain decoding)."""
-        if self.build is None:
-            return None
-        if isinstance(self.build, str):
-            return getattr(engine, self.build)(request)
-        return self.build(engine, request)
+    def make_drafter(self, parts: builders.Parts, request: DraftRequest):
+        """The drafter of one generation from the engine's parts (None: plain decoding)."""
+        return None if self.build is None else self.build(parts, request)
 
 
-def _auto_shape(engine, drafter, request: DraftRequest) -> dict:
+def _auto_shape(drafter, request: DraftRequest) -> dict:
     return {"draft_model": drafter.model is not None}
 
 
-def _tree_shape(engine, drafter, request: DraftRequest) -> dict:
+def _tree_shape(drafter, request: DraftRequest) -> dict:
     return {"width": drafter.width, "depth": drafter.max_depth, "nodes": drafter.max_nodes,
             "chosen_by_cost_model": [k for k, v in (("width", request.tree_width), ("depth", request.tree_depth),
                                                      ("nodes", request.tree_nodes)) if v is None]}
@@ -89,20 +88,20 @@ def _tree_shape(engine, drafter, request: DraftRequest) -> dict:
 METHOD_TABLE: dict[str, Method] = {m.name: m for m in (
     Method("auto", "the cost model picks plain decoding, lookup, a draft chain or a tree each step (default)",
            needs_draft_model=OPTIONAL, uses_cost_model=True, uses_lookup_sources=True, planned=True,
-           bench_default=1, certify_default=3, build="_auto_drafter", shape=_auto_shape),
+           bench_default=1, certify_default=3, routable=True, build=builders.build_auto, shape=_auto_shape),
     Method(BASELINE, "plain decoding through the same loop, the baseline of every speedup", drafts=False,
-           bench_default=0),
+           bench_default=0, routable=True),
     Method("draft", "a draft model with the same tokenizer proposes a chain of gamma tokens",
            needs_draft_model=REQUIRED, uses_gamma=True, chain=True, bench_default=3, certify_default=0,
-           build="_draft_drafter"),
+           build=builders.build_draft),
     Method("lookup", "a tree of lookup guesses (prompt, earlier outputs, datastore) shaped by the cost model",
-           uses_cost_model=True, uses_lookup_sources=True, planned=True, build="_lookup_drafter"),
+           uses_cost_model=True, uses_lookup_sources=True, planned=True, routable=True, build=builders.build_lookup),
     Method("pld", "prompt lookup: continues an earlier occurrence of the last tokens (gamma deep)",
-           prompt_lookup=True, uses_gamma=True, chain=True, bench_default=2, certify_default=1,
-           build="_pld_drafter"),
+           prompt_lookup=True, uses_gamma=True, chain=True, bench_default=2, certify_default=1, routable=True,
+           build=builders.build_pld),
     Method("tree", "a token tree from the draft model and lookup guesses, shaped by the cost model",
            needs_draft_model=OPTIONAL, uses_cost_model=True, uses_lookup_sources=True, tree_options=True,
-           planned=True, certify_default=2, build="_tree_drafter", shape=_tree_shape),
+           planned=True, certify_default=2, build=builders.build_tree, shape=_tree_shape),
 )}
 
 

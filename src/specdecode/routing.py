@@ -35,7 +35,6 @@ COPY_ALPHA = 0.95  # per-token acceptance a request with a prediction is planned
 DEFAULT_NEW = 256  # tokens a request without a prediction is priced at (its max_new_tokens is not read)
 READ_TOKENS = 256  # the prompt read per engine to price prompts (seconds per prompt token)
 READ_REPEATS = 3  # its best of this many reads is kept: one read beside other work would stay cached, too slow
-ROUTED = {"auto", "lookup", "pld", "autoregressive"}  # methods that run on either engine (no draft model needed)
 
 
 def flat_ratio(rows: int = 16, d: int = 1536, ff: int = 4096, repeats: int = 5) -> float:
@@ -167,7 +166,7 @@ class Router:
         method = kwargs.get("method", "auto")
         first = next(iter(self.engines))
         exact = kwargs.get("exact") or (kwargs.get("exact") is None and self.primary.exact)
-        on_first = exact or method not in ROUTED
+        on_first = exact or not METHOD_TABLE[method].routable
         if engine is not None:
             if engine not in self.engines:
                 raise InvalidField(f"engine {engine!r} is not loaded here; the engines are "

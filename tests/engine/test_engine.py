@@ -401,7 +401,7 @@ def test_the_loop_stops_at_the_backends_end_of_generation_tokens():
 def test_a_tree_of_fixed_width_and_depth_is_cut_to_a_bounded_pass():
     """A fixed width and depth grow up to width**2 nodes per depth (all verified when sampling): passes hold at
     most FIXED_TREE_NODES of them."""
-    from specdecode.checks import FIXED_TREE_NODES
+    from specdecode.builders import FIXED_TREE_NODES
     tok = byte_tokenizer()
     engine = Engine(tiny_model(0), tok, tiny_model(1), tok)
     sizes, forward = [], engine.target.forward

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from specdecode import METHODS, Engine, SpecDecodeError
-from specdecode import bench, methods
+from specdecode import bench, builders, methods
 from specdecode.drafters import PromptLookup
-from specdecode.methods import METHOD_TABLE, NO, OPTIONAL, REQUIRED, Method
+from specdecode.methods import METHOD_TABLE, NO, OPTIONAL, REQUIRED, DraftRequest, Method
 
 
 def test_the_table_covers_every_method_in_order():
@@ -20,7 +20,7 @@ def test_the_table_covers_every_method_in_order():
         assert m.drafts == (m.build is not None)
         assert not m.chain or (m.uses_gamma and not m.planned and not m.tree_options)
         assert not m.planned or m.uses_cost_model
-        assert m.build is None or isinstance(m.build, str) and callable(getattr(Engine, m.build))
+        assert m.build is None or (callable(m.build) and m.build.__module__ == "specdecode.builders")
     assert methods.BASELINE in METHOD_TABLE and not METHOD_TABLE[methods.BASELINE].drafts
     assert methods.DEFAULT_METHOD in METHOD_TABLE
 
@@ -89,7 +89,7 @@ def test_bench_methods_come_from_the_table(tiny_engine):
 
 
 FAKE = Method("fake", "a test's method: prompt lookup under another name", uses_gamma=True, chain=True,
-              build=lambda engine, request: PromptLookup())
+              build=lambda parts, request: PromptLookup())
 
 
 def test_a_method_added_to_the_table_is_accepted_and_builds_its_drafter(monkeypatch, make_engine):
@@ -98,17 +98,23 @@ def test_a_method_added_to_the_table_is_accepted_and_builds_its_drafter(monkeypa
     with pytest.raises(SpecDecodeError, match="tree_width applies to method 'tree' only"):
         Engine.check(method="fake", tree_width=2)
     engine = make_engine(draft=None)
-    assert isinstance(engine._drafter("fake", 3, Engine.check(method="fake")), PromptLookup)
+    assert isinstance(engine.drafter("fake", DraftRequest(3, Engine.check(method="fake"))), PromptLookup)
     out = engine.generate("abcabcabcabc", method="fake", gamma=3, max_new_tokens=12)
     plain = engine.generate("abcabcabcabc", method="autoregressive", max_new_tokens=12)
     assert out.token_ids == plain.token_ids  # lossless, as its drafter is
     assert out.stats.method == "fake" and out.stats.gamma == 3 and out.stats.drafted > 0
-    # an Engine method named by the table builds it too
-    monkeypatch.setitem(METHOD_TABLE, "fake", dataclasses.replace(FAKE, build="_pld_drafter"))
-    assert isinstance(engine._drafter("fake", 3, Engine.check(method="fake")), PromptLookup)
+    # a built-in builder named by the table builds it too, from the engine's parts
+    monkeypatch.setitem(METHOD_TABLE, "fake", dataclasses.replace(FAKE, build=builders.build_pld))
+    assert isinstance(engine.drafter("fake", DraftRequest(3, Engine.check(method="fake"))), PromptLookup)
 
 
 def test_a_method_added_to_the_table_reaches_bench_summaries(monkeypatch):
     """bench's summary reads the table's flags: a chain method gets alpha and the analytic bound."""
     monkeypatch.setitem(METHOD_TABLE, "fake", FAKE)
     assert bench._is("fake", "chain") and not bench._is("hf-assisted", "chain")
+
+
+def test_the_table_says_which_methods_a_router_may_move():
+    """A router moves only the methods the table marks routable, none that needs a draft model."""
+    assert methods.names_where(routable=True) == ["auto", "autoregressive", "lookup", "pld"]
+    assert all(METHOD_TABLE[n].needs_draft_model != REQUIRED for n in methods.names_where(routable=True))

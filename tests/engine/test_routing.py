@@ -241,3 +241,14 @@ def test_a_request_can_pin_an_engine(router):
         with pytest.raises(InvalidField, match="^" + message) as e:
             router.stream("hi", **kwargs)
         assert e.value.param == "engine"  # the server names it speculation.engine
+
+
+def test_the_table_says_which_methods_the_router_moves(router, monkeypatch):
+    import dataclasses
+
+    from specdecode.methods import METHOD_TABLE
+    old = "def add(a, b):\n    return a + b\n" * 3
+    prompt = "Rename add to plus:\n" + old * 3
+    assert router.generate(prompt, method="pld", max_new_tokens=8, prediction=old).stats.engine == "flat"
+    monkeypatch.setitem(METHOD_TABLE, "pld", dataclasses.replace(METHOD_TABLE["pld"], routable=False))
+    assert router.generate(prompt, method="pld", max_new_tokens=8, prediction=old).stats.engine == "steep"

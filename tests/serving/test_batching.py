@@ -600,7 +600,7 @@ def test_a_slots_share_of_tree_node_ids_leaves_a_copys_chain_its_depth(engine):
     e = slots.engines[0]
     request = DraftRequest(4, SamplingParams(), None, None, None, 64, None, tuple(range(40, 120)), None)
     for method in ("lookup", "auto", "tree"):
-        d = getattr(e, f"_{method}_drafter")(request)
+        d = e.drafter(method, request)
         assert d.max_nodes <= 7 and d.copy_depth == MAX_COPY_DEPTH and d.depth_cap == MAX_COPY_DEPTH
         d.limit(3, chains_only=True)
         assert d.max_nodes == d.copy_depth == 3

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from specdecode import Engine, SpecDecodeError
+from specdecode import Engine, SpecDecodeError, builders
 from specdecode.drafters import (Datastore, History, Lookup, NgramIndex, build_datastore, index_files,
                                   tokenizer_fingerprint)
 from specdecode.drafters.lookup import continuation_tree
@@ -269,7 +269,7 @@ def test_lookup_method_needs_no_draft_model_and_stays_a_chain_without_trees(monk
     plain = eng.generate(prompt, method="autoregressive", max_new_tokens=30)
     out = eng.generate(prompt, method="lookup", max_new_tokens=30)
     assert out.token_ids == plain.token_ids and "draft" not in out.stats.sources
-    monkeypatch.setattr(Engine, "_tree_error", lambda self, model: "no trees here")
+    monkeypatch.setattr(builders, "tree_error", lambda target, model: "no trees here")
     out = eng.generate(prompt, method="lookup", max_new_tokens=30)
     assert out.token_ids == plain.token_ids and out.stats.strategies.get("tree", 0) == 0
 
