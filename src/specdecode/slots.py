@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import copy
 import threading
+from types import SimpleNamespace
 
 from .backends import Lockstep, slots as make_slots
+from .builders import tree_nodes_cap
 from .checks import positive_int
 from .engine import Engine
 from .errors import SpecDecodeError
 from .host import memory_available
+from .methods import get_method
 from .planning.batch import BatchPricing, CallCostTracker, call_costs, costs_path
 from .stats import Generation
 
@@ -70,6 +73,16 @@ class Slots:
             e.prompt_cache = engine.prompt_cache  # each slot reuses what its own cache holds
             target.prefill_chunk = self.prefill_chunk
             self.engines.append(e)
+
+    def check_tree(self, method: str, tree_width: int | None = None, tree_depth: int | None = None,
+                   tree_nodes: int | None = None, **_) -> None:
+        """InvalidField naming the field where a request's tree shape asks for more tree nodes than a slot's share of
+        the ids holds (the Engine's own check, on a slot's models): a server refuses it before answering, as a slot
+        would only when it opens the request."""
+        if get_method(method).tree_options:
+            e = self.engines[0]
+            shape = SimpleNamespace(tree_width=tree_width, tree_depth=tree_depth, tree_nodes=tree_nodes)
+            tree_nodes_cap(shape, (e.target, e.draft_model.lm if e.draft_model is not None else None))
 
     def _others(self) -> int:
         """Tokens the other live generations put into a pass (one each, at least)."""

@@ -632,6 +632,31 @@ def test_a_server_on_slots_checks_requests_against_what_a_slot_holds(engine):
         live.stop()
 
 
+def test_a_server_on_slots_refuses_a_tree_a_slot_cannot_hold_before_answering(engine):
+    """4 slots hold (256 - 4) // 4 = 63 tree-node ids each: a request's explicit tree shape past that is a 400 naming
+    the field, streamed or not (not a 200 whose stream ends in an error when a slot opens it); one that fits runs."""
+    import httpx
+    from helpers import LiveServer
+    from specdecode.server import create_app
+    slots = Slots(engine, 4, cells=4 * 256)
+    assert slots.engines[0].target.max_tree_nodes == 63 < engine.target.max_tree_nodes
+    live = LiveServer(create_app(engine, model_id="tiny", method="pld", slots=slots))
+    try:
+        with httpx.Client(base_url=live.url, timeout=60) as client:
+            def post(stream, **shape):
+                return client.post("/v1/completions", json={"model": "tiny", "prompt": "abcabc", "max_tokens": 4,
+                                                            "stream": stream, "speculation": {"method": "tree", **shape}})
+            for stream in (False, True):
+                for shape, field in (({"tree_nodes": 100}, "tree_nodes"), ({"tree_width": 8}, "tree_width")):
+                    r = post(stream, **shape)
+                    assert r.status_code == 400 and r.json()["error"]["param"] == f"speculation.{field}", r.text
+                    assert "63" in r.json()["error"]["message"]
+                r = post(stream, tree_nodes=32, tree_width=4)
+                assert r.status_code == 200 and "error" not in r.text
+    finally:
+        live.stop()
+
+
 def test_serve_ctx_size_is_each_slots_context_checked_against_memory(tmp_path, monkeypatch):
     """`serve --parallel 2 --ctx-size 6000`: each slot holds 6,000 tokens (not 4,096), the server checks requests
     against that, and a size whose cache would not fit in memory is refused before it is made."""

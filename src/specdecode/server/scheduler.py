@@ -163,6 +163,11 @@ class Worker:
         with self._cv:
             self._refuse()
 
+    def check_tree(self, **request) -> None:
+        """With batch slots, a request's tree shape against a slot's share of tree-node ids (Slots.check_tree)."""
+        if self.slots is not None:
+            self.slots.check_tree(**request)
+
     def submit(self, job: Job) -> None:
         """Queue the job; Overloaded when max_queue jobs wait already, ShuttingDown once the server is closing."""
         with self._cv:
@@ -349,7 +354,7 @@ class Worker:
             job.push(("error", self.queue_timeout()))
             return
         parts: list[str] = []
-        job.stream.interrupt = job.interrupted  # checked by the stream after every step
+        job.stream.stop_when(job.interrupted)  # checked by the stream after every step
         track = None if job.sources is None else Provenance(job.stream, job.sources)
         with lock:
             gen = iter(job.stream)

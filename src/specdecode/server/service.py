@@ -203,6 +203,7 @@ class Service:
         if self._tokenizing is None:
             self._tokenizing = anyio.CapacityLimiter(REQUEST_TOKENIZERS)
         try:
+            self.worker.check_tree(**kwargs)  # batch slots: a tree a slot cannot hold is a 400, not a stream error
             stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs, limiter=self._tokenizing)
         except SpecDecodeError as e:
             raise p.engine_error(e, param) from None
