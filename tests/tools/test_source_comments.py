@@ -1,6 +1,6 @@
 """Comments and docstrings state the present reason; measurements live in docs/results/notes.md. A source comment
 that names a machine or a commit is a measurement told in the code: it fails here, unless the allow-list below names
-it with its reason. Every docs page and anchor a comment links exists."""
+it with its reason; the design pages name none either. Every docs page and anchor a comment links exists."""
 import io
 import re
 import tokenize
@@ -111,3 +111,12 @@ def test_every_docs_link_in_a_source_comment_resolves():
                     assert m.group(2) in anchors(page), f"{rel}:{n}: no anchor #{m.group(2)} in docs/{m.group(1)}"
                     checked += 1
     assert checked >= 20  # the measured asides' links into the notes
+
+
+def test_no_design_page_names_a_machine_or_a_commit():
+    """docs/design describes the design; its measurements are in docs/results/notes.md."""
+    pages = sorted((ROOT / "docs/design").glob("*.md"))
+    assert len(pages) >= 4
+    found = [f"{p.name}:{n}: {m.group(0)}" for p in pages for n, line in enumerate(p.read_text().splitlines(), 1)
+             for rx in (MACHINE, COMMIT) for m in rx.finditer(line)]
+    assert found == []
