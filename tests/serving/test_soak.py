@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from specdecode.loadtest.client import one_request
-from specdecode.loadtest.soak import Traffic, honest_body, malformed_bodies, request_key
+from specdecode.loadtest.soak import KIND_WEIGHTS, Traffic, honest_body, malformed_bodies, request_key
 from specdecode.loadtest.soak_check import check_greedy, error_code, judge, markdown, summary
 from specdecode.cli import main
 
@@ -293,3 +293,18 @@ def test_the_mix_covers_every_kind_of_request():
     got = asyncio.run(kinds())
     assert [r["kind"] for r in got] == ["honest", "disconnect", "deadline", "oversized", "malformed"]
     assert all(r["i"] == n + 1 for n, r in enumerate(got))
+    assert [r["variant"].split("/")[0] for r in got[1:]] == ["disconnect", "deadline", "oversized", "malformed"]
+
+
+def test_the_kinds_of_request_are_a_table_the_weights_name():
+    """Each kind is sent by the function its table names (no method looked up by its name): the mix's weights name
+    only kinds in the table, and an unknown kind is refused with the known ones, before anything is sent."""
+    assert set(KIND_WEIGHTS) == set(Traffic.KINDS) and all(callable(f) for f in Traffic.KINDS.values())
+    with pytest.raises(ValueError, match="unknown kind.*honest"):
+        Traffic(None, "http://fake", "m", seed=1, prompts=[], max_tokens=4, long_chars=50, too_long_chars=100,
+                state={}, weights={"honest": 1.0, "_raw": 0.1})
+    traffic = Traffic(None, "http://fake", "m", seed=1, prompts=[], max_tokens=4, long_chars=50, too_long_chars=100,
+                      state={})
+    with pytest.raises(ValueError, match="unknown kind of request '_send'"):
+        asyncio.run(traffic.next("_send"))
+    assert traffic.sent == 0

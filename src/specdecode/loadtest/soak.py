@@ -116,15 +116,21 @@ class Traffic:
         self.long_chars, self.too_long_chars = long_chars, too_long_chars
         self.state, self.answers = state, {}
         self.weights = weights or KIND_WEIGHTS
+        unknown = sorted(set(self.weights) - set(self.KINDS))
+        if unknown:
+            raise ValueError(f"unknown kind(s) of request {', '.join(unknown)}; known: {', '.join(self.KINDS)}")
         self.malformed = malformed_bodies(model)
         self.sent = 0
 
     async def next(self, kind: str | None = None) -> dict:
         kind = kind or self.rng.choices(list(self.weights), list(self.weights.values()))[0]
+        send = self.KINDS.get(kind)
+        if send is None:
+            raise ValueError(f"unknown kind of request {kind!r}; known: {', '.join(self.KINDS)}")
         self.sent += 1
         i, generation = self.sent, self.state.get("generation", 0)
         t0 = time.perf_counter()
-        rec = await getattr(self, "_" + kind)()
+        rec = await send(self)
         rec.update(i=i, kind=kind, generation=generation, t_start=t0, t_end=time.perf_counter())
         rec["refused"] = (rec.get("status") is None and rec.get("error") is not None and
                           rec["error"].startswith("ConnectError"))
@@ -184,6 +190,10 @@ class Traffic:
     async def _malformed(self) -> dict:
         variant, path, raw = self.rng.choice(self.malformed)
         return await self._raw("malformed/" + variant, path, raw)
+
+    # each kind of request (the module's docstring) and the method that sends one
+    KINDS = {"honest": _honest, "disconnect": _disconnect, "deadline": _deadline, "oversized": _oversized,
+             "malformed": _malformed}
 
     async def _raw(self, variant: str, path: str, raw: bytes) -> dict:
         rec = {"id": variant, "variant": variant, "status": None, "error": None, "text": "", "hung_up": False,
