@@ -1,10 +1,10 @@
-"""Tiny random F32 GGUF models (llama.cpp arch "qwen2") for tests that load through llama.cpp or GGUF.
+"""Tiny random F32 GGUF models (llama.cpp arch "qwen2", or "llama") for tests that load through llama.cpp or GGUF.
 
 `write_tiny_gguf` writes the same weights as `tiny.tiny_model(seed, ...)` under llama.cpp's tensor names,
 with `tiny.byte_tokenizer()`'s vocabulary in the metadata: the 256 GPT-2 byte symbols, `<|endoftext|>`
 (id 256, EOS and BOS, no BOS added), and `vocab_extra` more plain tokens that no text encodes to (a
 vocabulary that differs from another model's). Both llama.cpp and transformers (`gguf_file=`) load it and
-give the HF model's logits.
+give the HF model's logits. With arch="llama", the same shapes as a transformers Llama (no attention biases).
 """
 from __future__ import annotations
 
@@ -45,18 +45,40 @@ def _tensor_name(hf_name: str) -> str:
     return f"{gguf.TENSOR_NAMES[LAYER[rest]].format(bid=int(layer))}.{kind}"
 
 
+def tiny_llama(seed: int, vocab_size: int = 257, layers: int = 2, hidden: int = 64, max_pos: int = 512):
+    """A transformers Llama with tiny_model's shapes and sharpened output layer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_pos, tie_word_embeddings=False, eos_token_id=256,
+                         bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def _llama_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Q or K rows reordered from HF's rotate-halves RoPE to llama.cpp's interleaved pairs (arch "llama"), as
+    llama.cpp's convert_hf_to_gguf.py does."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def write_tiny_gguf(path: Path, seed: int, *, vocab_extra: int = 0, layers: int = 2, hidden: int = 64,
-                    ctx: int = 512, special: tuple[str, ...] = ()) -> Path:
+                    ctx: int = 512, special: tuple[str, ...] = (), arch: str = "qwen2") -> Path:
     """special: control tokens appended after the extra ones (llama.cpp recognizes some by their text, such as
-    <|im_end|> or <|eom_id|>, as ending a generation)."""
+    <|im_end|> or <|eom_id|>, as ending a generation). arch: "qwen2" (tiny.tiny_model) or "llama" (tiny_llama)."""
     tokens = list(byte_tokenizer().convert_ids_to_tokens(range(257)))  # byte symbols in tiny.py's order, EOS
     assert tokens[256] == EOS
     tokens += [f"<extra_{i}>" for i in range(vocab_extra)] + list(special)
-    model = tiny_model(seed, vocab_size=len(tokens), layers=layers, hidden=hidden, max_pos=ctx)
+    build = {"qwen2": tiny_model, "llama": tiny_llama}[arch]
+    model = build(seed, vocab_size=len(tokens), layers=layers, hidden=hidden, max_pos=ctx)
     cfg = model.config
 
-    w = _Writer(str(path), "qwen2")
-    w.add_name(f"tiny-qwen2-{seed}")
+    w = _Writer(str(path), arch)
+    w.add_name(f"tiny-{arch}-{seed}")
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_vocab_size(len(tokens))
     w.add_context_length(cfg.max_position_embeddings)
@@ -79,7 +101,10 @@ def write_tiny_gguf(path: Path, seed: int, *, vocab_extra: int = 0, layers: int 
     w.add_chat_template(byte_tokenizer().chat_template)
 
     for name, tensor in model.state_dict().items():
-        w.add_tensor(_tensor_name(name), tensor.detach().numpy().astype(np.float32))
+        data = tensor.detach().numpy().astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _llama_rope_rows(data, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+        w.add_tensor(_tensor_name(name), data)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -89,8 +114,9 @@ def write_tiny_gguf(path: Path, seed: int, *, vocab_extra: int = 0, layers: int 
 
 
 def exact_lm(path: Path, threads: int = 1):
-    """A LlamaLM on a context with F32 keys/values and flash attention off: its attention does not depend on where
-    a cell sits in the KV buffer (only llama.cpp's context parameters differ from the default context)."""
+    """A LlamaLM on a context with F32 keys/values and flash attention off (only llama.cpp's context parameters
+    differ from the default context). Where a cell sits in the KV buffer still sets the order attention sums in:
+    float32 rounding."""
     import llama_cpp
     import pytest
     from specdecode.backends.llamacpp import LlamaLM

@@ -39,10 +39,7 @@ def test_what_differs_between_backends_is_a_member_of_the_lm(tmp_path):
     assert isinstance(torch_lm.threads, int) and llama_lm.threads == 1
     assert torch_lm.output_truncation_error() is None and "torch backend" in llama_lm.output_truncation_error()
     assert torch_lm.tolerances() == {"rollback": 1e-3, "tie": 1e-3}  # fp32
-    assert llama_lm.tolerances()["tie"] == 0.5
-    assert torch_lm.exact_copy(64) is torch_lm
-    exact = llama_lm.exact_copy(64)
-    assert isinstance(exact, LlamaLM) and exact is not llama_lm and exact.gguf_path == path
+    assert llama_lm.tolerances() == {"rollback": 0.0, "tie": 0.5}  # rollbacks: bit for bit (LM.place_chain)
 
 
 # outside backends/: no question of which backend an LM is (`backend` is a label for reports only)

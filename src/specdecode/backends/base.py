@@ -173,13 +173,18 @@ class LM(Protocol):
         raise SpecDecodeError(self.output_truncation_error())
 
     def tolerances(self) -> dict:
-        """The size of kernel rounding differences here, for `specdecode certify`: "rollback" (a logit
-        after a rollback against a fresh cache; checked on exact_copy()) and "tie" (the greedy near-tie
+        """The size of kernel rounding differences here, for `specdecode certify`: "rollback" (a logit after a
+        rollback against the same text written to the same cells, place_chain) and "tie" (the greedy near-tie
         bound). The default: an fp32 model's, 1e-3 both."""
         return {"rollback": 1e-3, "tie": 1e-3}
 
-    def exact_copy(self, max_length: int) -> "LM":
-        """An LM on the same weights, with room for max_length positions at least, whose logits do not
-        depend on where an entry sits in the cache (certify's rollback check). The default: itself."""
-        return self
+    def place_chain(self, ids: list[int], slots: list[int], size: int, filler: int) -> None:
+        """Append the causal chain `ids` in one pass of `size` tokens, ids[k] in the pass's slot slots[k] (ascending)
+        and `filler` tokens that no chain token sees in the others; only the chain stays cached. The chain's entries
+        then sit in the cells where a tree pass of `size` nodes leaves a kept branch at those slots (certify's
+        reference for a rollback). The default, for a cache that rollback compacts: the chain, then the fillers,
+        cropped."""
+        start = len(self)
+        self.forward(list(ids) + [filler] * (size - len(ids)))
+        self.rollback(start + len(ids))
 

@@ -99,8 +99,8 @@ class LlamaLM(LM):
         sums cells in cache order: later text must not fill those holes). exactness.py measures which pass sizes
         stay exact: 1-3 with repacked weights (repack, the default: groups of 4 take another kernel); 1-7 without
         (K-quants go tiled from 8), but a 1-token pass is slower (docs/results/notes.md#code-flash-attention).
-        f32_kv: F32 keys/values, flash attention off (slower): logits independent of where a token's entry sits
-        in the cache, so rollbacks can be checked to ~1e-6 (certify does).
+        f32_kv: F32 keys/values, flash attention off (slower). Logits still depend on the cells' order: attention
+        sums over cells in cache order (docs/design/exactness.md, "Rollback layout").
         flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: off, as llama-cpp-python's Llama runs plain decoding, a
         little faster on CPUs; measured: docs/results/notes.md#code-flash-attention)."""
         lc = self._lc = _lib()
@@ -157,15 +157,33 @@ class LlamaLM(LM):
         return self.path
 
     def tolerances(self) -> dict:
-        """Rollback: checked on an exact context (F32 keys/values, no flash attention; see exact_copy).
-        Greedy: a 4+ token pass moves a logit by up to ~0.5 on quantized models."""
-        return {"rollback": 1e-3, "tie": 0.5}
+        """Rollback: 0, bit for bit (place_chain writes the same cells in a pass of the same size, so the same
+        sums run in the same order). Greedy: a 4+ token pass moves a logit by up to ~0.5 on quantized models."""
+        return {"rollback": 0.0, "tie": 0.5}
 
-    def exact_copy(self, max_length: int) -> "LlamaLM":
-        """F16 keys/values under flash attention round by where an entry sits in the cache, and a quantized
-        28-layer model turns that into ~0.4 in a logit; an F32, no-flash context of the same file isolates
-        the cache bookkeeping (the engine's own context is the default one)."""
-        return LlamaLM(self.path, n_ctx=max_length, threads=self.threads, f32_kv=True, repack=self.repack)
+    def place_chain(self, ids: list[int], slots: list[int], size: int, filler: int) -> None:
+        """LM.place_chain: the fillers on a sequence id of their own (no chain token sees them), dropped after the
+        pass as rollback drops rejected nodes (exact mode parks those before the chain's last token, as rollback
+        does). A ubatch takes the free cells from llama.cpp's head in batch order, so slot k is cell start + k."""
+        lc, start = self._lc, len(self.ids)
+        if (self.trunk != start or len(slots) != len(ids) or list(slots) != sorted(set(slots)) or not ids
+                or not 0 <= slots[0] <= slots[-1] < size <= N_BATCH or start + size + self.parked > self._cells):
+            raise SpecDecodeError(f"place_chain: {len(ids)} tokens at slots {slots} of a {size}-token pass need "
+                                  f"ascending slots inside the pass, no tree cached and room ({start} cached)")
+        sid, chain, fillers, tokens = self._free[-1], iter(ids), [], []
+        for s in range(size):  # a filler's position: its rank among the fillers (a sequence of its own)
+            tokens.append((next(chain), start + s - len(fillers), [self.seq0], False) if s in slots
+                          else (filler, len(fillers), [sid], False))
+            fillers += [] if s in slots else [s]
+        self._decode(tokens)
+        if self.exact:
+            for p, s in enumerate(fillers):
+                if s < slots[-1]:
+                    lc.llama_memory_seq_cp(self._mem, sid, self.park, p, p + 1)
+                    self.parked += 1
+        lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        self.ids.extend(ids)
+        self.trunk = len(self.ids)
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)
