@@ -100,7 +100,7 @@ class LlamaLM(LM):
         stay exact: 1-3 with repacked weights (repack, the default: groups of 4 take another kernel); 1-7 without
         (K-quants go tiled from 8), but a 1-token pass is slower (docs/results/notes.md#code-flash-attention).
         f32_kv: F32 keys/values, flash attention off (slower). Logits still depend on the cells' order: attention
-        sums over cells in cache order (docs/design/exactness.md, "Rollback layout").
+        sums over cells in cache order (docs/design/exactness.md#rollback-layout).
         flash_attn: a LLAMA_FLASH_ATTN_TYPE_* (default: off, as llama-cpp-python's Llama runs plain decoding, a
         little faster on CPUs; measured: docs/results/notes.md#code-flash-attention)."""
         lc = self._lc = _lib()
