@@ -130,3 +130,13 @@ def test_a_wrong_kept_entry_fails_the_rollback_check(ggufs, monkeypatch):
     tree = checks["tree branch rollback"]
     assert checks["chain rollback"]["passed"] and not tree["passed"] and tree["max_abs_diff"] > 0, checks
     assert tree["layout_effect"] == 0 and tree["pass_size_noise"] == 0
+
+
+def test_certify_command_on_a_llama_q4_1_gguf(ggufs, capsys):
+    """As a new user runs it: `specdecode certify --target <a Llama-architecture Q4_1 GGUF>` (no draft model)."""
+    from specdecode.cli import main
+    code = main(["certify", "--target", str(ggufs["llama", "Q4_1"]), "--threads", "1", "--draws", "1000",
+                 "--max-new-tokens", "4", "--methods", "pld"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("# specdecode certificate: PASSED"), out
+    assert "| target | tree branch rollback | 0.00e+00 | 0 |" in out
