@@ -56,12 +56,12 @@ def flat_ratio(rows: int = 16, d: int = 1536, ff: int = 4096, repeats: int = 5) 
     return best[rows] / best[1]
 
 
-def read_seconds(engine: Engine, tokens: int = READ_TOKENS) -> float:
+def read_seconds(engine: Engine, tokens: int = READ_TOKENS, remeasure: bool = False) -> float:
     """Seconds per prompt token on this engine: the best of READ_REPEATS reads of a `tokens`-token prompt (cached
-    per machine)."""
+    per machine; `remeasure`: read again)."""
     key = f"{machine_key(engine.target)}-{tokens}"  # the pass costs' key: machine, model, threads
     path = cache_dir() / "routing" / f"{key}.json"
-    if path.exists():
+    if path.exists() and not remeasure:
         try:
             raw = json.loads(path.read_text())
             if raw.get("key") == key and raw["read_s"] > 0:
@@ -106,12 +106,13 @@ class Router:
     """Engines on the same model; `stream`/`generate` run each request on the one predicted to end first.
     Everything else (tokenizer, checks, the target's context, history, costs) is the first engine's."""
 
-    def __init__(self, engines: dict[str, Engine]):
+    def __init__(self, engines: dict[str, Engine], remeasure: bool = False):
         if not engines:
             raise SpecDecodeError("a router needs at least one engine")
         self.engines = engines
         self.primary = next(iter(engines.values()))
-        self.read_s = {n: compute.call(read_seconds, e) for n, e in engines.items()} if len(engines) > 1 else {}
+        self.read_s = {n: compute.call(read_seconds, e, READ_TOKENS, remeasure)
+                       for n, e in engines.items()} if len(engines) > 1 else {}
         self.choices: dict[str, int] = {name: 0 for name in engines}
 
     @property
@@ -123,16 +124,18 @@ class Router:
 
     @classmethod
     def load(cls, target=None, draft=None, *, backend: str = "auto", dtype=None, device=None, progress: bool = True,
-             threads=None, exact: bool = False, **kwargs):
+             threads=None, exact: bool = False, remeasure: bool = False, **kwargs):
         """llama.cpp's engine, and beside it the same target on torch in bf16 where its passes measure flat here
-        and memory allows; a Router either way (with one engine it only forwards). Arguments: Engine.load's."""
+        and memory allows, outside exact mode (which keeps every request on llama.cpp); a Router either way (with
+        one engine it only forwards). remeasure: time this machine again (the bf16 probe, the prompt reads)
+        instead of reading the cached results. Other arguments: Engine.load's."""
         if backend not in ("auto", "llama.cpp") or dtype is not None or device not in (None, "cpu"):
             raise SpecDecodeError("--route runs a GGUF target on llama.cpp and on torch bf16, on the CPU: --backend, "
                                   "--dtype and --device do not apply")
         primary = Engine.load(target, draft, backend="llama.cpp", progress=progress, threads=threads, exact=exact,
                               **kwargs)
         engines = {"llama.cpp": primary}
-        why = torch_unsuited(primary)
+        why = "exact mode runs every request on llama.cpp" if exact else torch_unsuited(primary, remeasure)
         if why is None:  # loaded, measured and run on the compute thread: torch and llama.cpp share one OpenMP pool
             engines["torch"] = compute.call(lambda: Engine.load(
                 target, None, backend="torch", dtype="bf16", with_draft=False, progress=progress, threads=threads,
@@ -141,7 +144,7 @@ class Router:
         elif progress:
             print(f"--route: llama.cpp only ({why})", flush=True)
         primary.tree_costs()
-        return cls(engines)
+        return cls(engines, remeasure)
 
     def predict_s(self, name: str, prompt_tokens: int, new_tokens: int, alpha: float,
                   gamma: int | None = None) -> float:
@@ -200,11 +203,28 @@ class Router:
         return stream.result
 
 
-def torch_unsuited(engine: Engine) -> str | None:
+def probed_flat_ratio(engine: Engine, remeasure: bool = False) -> float:
+    """flat_ratio on this machine, timed once and kept under the cache directory, keyed by the machine and the
+    target (as the prompt reads); `remeasure`: time it again."""
+    key = machine_key(engine.target)
+    path = cache_dir() / "routing" / f"flat-{key}.json"
+    if path.exists() and not remeasure:
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("key") == key and raw["flat_ratio"] > 0:
+                return raw["flat_ratio"]
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged file: measure again
+    ratio = flat_ratio()
+    write_json(path, {"key": key, "flat_ratio": ratio})
+    return ratio
+
+
+def torch_unsuited(engine: Engine, remeasure: bool = False) -> str | None:
     """Why the torch bf16 engine should not join on this machine (None: it should)."""
     if os.environ.get("SPECDECODE_ROUTE_FORCE") == "1":  # tests and measurements on any machine
         return None
-    ratio = flat_ratio()
+    ratio = probed_flat_ratio(engine, remeasure)
     if ratio > FLAT_RATIO:
         return f"a bf16 product over 16 rows costs {ratio:.1f}x one over 1 row here; torch joins at {FLAT_RATIO}x or less"
     n, path = getattr(engine.target, "n_params", None), getattr(engine.target, "path", None)

@@ -60,11 +60,10 @@ def bench(args) -> None:
     if tree and methods is not None and not set(shaped) & set(methods):
         raise SpecDecodeError(f"--tree-width/--tree-depth/--tree-nodes apply to method {' or '.join(shaped)}, "
                               "which is not benchmarked")
+    from ..cli.load import load_kwargs
     from ..routing import loader
-    engine = loader(args.route)(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
-                         threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore,
-                         history_tokens=args.history_tokens, with_draft=methods is None or needs_draft_model(methods))
+    engine = loader(args.route)(args.target, args.draft, history_tokens=args.history_tokens,
+                                with_draft=methods is None or needs_draft_model(methods), **load_kwargs(args))
     if methods is None:
         methods = default_methods(engine)
     check_methods(engine, methods)

@@ -63,6 +63,9 @@ def backend_args(parser) -> None:
                         help="a GGUF target on llama.cpp and also on torch in bf16 (where this CPU's bf16 passes "
                              "measure flat and memory allows), each request run whole on the one its measured costs "
                              "predict faster (an edit with a prediction: often torch; a chat: llama.cpp)")
+    parser.add_argument("--remeasure-route", action="store_true",
+                        help="with --route: time this machine again (the bf16 probe, the prompt reads) instead of "
+                             "reading the results cached under the cache directory for this machine and model")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all this process may use)")
     parser.add_argument("--draft-quant", choices=DRAFT_QUANT_CHOICES, default="auto",
                         help="llama.cpp: run the draft in its fastest type here (auto, measured once), keep the "

@@ -47,7 +47,7 @@ def certify_command(args) -> int:
                               f"{', '.join(drafting)}")
     if args.draws < 1000 or args.max_new_tokens <= 0:
         raise SpecDecodeError("--draws must be at least 1000 and --max-new-tokens positive")
-    if args.route:
+    if args.route or args.remeasure_route:
         raise SpecDecodeError("certify checks one engine at a time; drop --route (or check each --backend)")
     engine = Engine.load(args.target, args.draft, backend=args.backend, dtype=args.dtype, device=args.device,
                          threads=args.threads, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,

@@ -2,14 +2,18 @@
 with --route the Router. Loads torch and the models: seconds to a minute."""
 from __future__ import annotations
 
+from ..errors import SpecDecodeError
 from ..host import MODEL_IMPORTS, import_frozen
 
 
 def load_kwargs(args) -> dict:
-    """The Engine.load (Router.load) arguments that the model, backend and lookup arguments give."""
+    """The Engine.load (with --route Router.load) arguments that the model, backend and lookup arguments give."""
+    if args.remeasure_route and not args.route:
+        raise SpecDecodeError("--remeasure-route goes with --route: it times what --route chooses by")
+    route = {"remeasure": True} if args.remeasure_route else {}
     return dict(backend=args.backend, dtype=args.dtype, device=args.device, threads=args.threads,
                 draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, draft_vocab_from=args.draft_vocab_from,
-                draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore)
+                draft_window=args.draft_window or None, exact=args.exact, datastore=args.datastore, **route)
 
 
 def load_engine(args, methods: list[str], progress: bool = True, any_method: bool = False, **more):

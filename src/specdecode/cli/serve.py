@@ -107,15 +107,14 @@ def check_serve_args(args) -> str | None:
 
 def load_served(args):
     """The models `serve` answers with, measured before the first request: pass costs (any request may ask for a
-    method that uses them), --ctx-size applied, exact pass sizes with --exact; and with --parallel the slots."""
+    method that uses them), --ctx-size applied (to every engine of a router), exact pass sizes with --exact; and
+    with --parallel the slots."""
+    from ..server.app import limit_context
     engine = load_engine(args, [args.method], any_method=True, history_tokens=args.history_tokens,
                          prompt_cache=not args.no_prompt_cache)  # per API key (Service._scope); slots copy it
     engine.tree_costs()  # measure pass costs now (once per machine)
     if args.ctx_size is not None:  # after measuring, which times passes at long contexts
-        if args.ctx_size > engine.target.max_length:
-            raise SpecDecodeError(f"--ctx-size {args.ctx_size} is more than the model's context "
-                                  f"({engine.target.max_length} tokens)")
-        engine.target.max_length = args.ctx_size  # prompt + output of every request, the Engine's limit
+        limit_context(engine, args.ctx_size)
     if args.exact:
         engine.exact_limits()  # measure the exact pass sizes now (once per machine), not in the first request
     slots = None
@@ -151,13 +150,17 @@ def serve_ray(args) -> None:
     if args.parallel > 1:
         raise SpecDecodeError("--parallel is not available inside Ray replicas yet: scale with --replicas or "
                               "--autoscale")
+    if args.route:
+        raise SpecDecodeError("--route is not available inside Ray replicas: each replica loads one engine (drop "
+                              "--route, or serve it without --ray)")
     autoscale = parse_autoscale(args.autoscale) if args.autoscale else None
     most = autoscale[1] if autoscale else (args.replicas or 1)
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // most)
     app = ray_app(args.target, args.draft, method=args.method, gamma=args.gamma, replicas=args.replicas or 1,
                   autoscale=autoscale, threads=threads, served_model_name=args.served_model_name, api_key=api_key,
                   protect_all=args.protect_all, max_queue=args.max_queue, timeout_s=args.timeout,
-                  max_tokens_cap=args.max_tokens, ctx_size=args.ctx_size, backend=args.backend, dtype=args.dtype,
+                  show_sources=args.speculation_sources, max_tokens_cap=args.max_tokens, ctx_size=args.ctx_size,
+                  backend=args.backend, dtype=args.dtype,
                   device=args.device, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                   draft_vocab_from=args.draft_vocab_from, draft_window=args.draft_window or None, exact=args.exact,
                   datastore=args.datastore, history_tokens=args.history_tokens,

@@ -406,6 +406,19 @@ def run(app: FastAPI, host: str, port: int) -> None:
         pass
 
 
+def limit_context(engine, ctx_size: int) -> None:
+    """`--ctx-size`: the most tokens of prompt and output a request may use, on the engine or on every engine of a
+    router (each request runs whole on one of them). Set after the pass costs are measured, which time passes at
+    long contexts."""
+    from ..routing import Router
+    engines = list(engine.engines.values()) if isinstance(engine, Router) else [engine]
+    least = min(e.target.max_length for e in engines)
+    if ctx_size > least:
+        raise SpecDecodeError(f"--ctx-size {ctx_size} is more than the model's context ({least} tokens)")
+    for e in engines:
+        e.target.max_length = ctx_size  # prompt + output of every request, the Engine's limit
+
+
 def model_name(target: str) -> str:
     """The model id a server answers to by default: a GGUF file's stem, a directory's name, else the name."""
     path = Path(target)

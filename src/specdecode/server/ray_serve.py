@@ -58,7 +58,7 @@ class Replica:
 
     def __init__(self, load: dict, app: dict, ctx_size: int | None = None):
         from ..engine import Engine
-        from .app import create_app
+        from .app import create_app, limit_context
         self.replica_id = _replica_id()
         threads = load.get("threads")
         if threads:  # what the engine's own kernels (llama.cpp, torch) and any OpenMP pool may use
@@ -66,10 +66,7 @@ class Replica:
         engine = Engine.load(**load, progress=False)
         engine.tree_costs()  # the pass costs any request's method may plan on: measured (once per machine) now
         if ctx_size is not None:  # after measuring, which times passes at long contexts (as `serve --ctx-size`)
-            if ctx_size > engine.target.max_length:
-                raise SpecDecodeError(f"--ctx-size {ctx_size} is more than the model's context "
-                                      f"({engine.target.max_length} tokens)")
-            engine.target.max_length = ctx_size
+            limit_context(engine, ctx_size)
         if load.get("exact"):
             engine.exact_limits()
         self.specdecode_app = create_app(engine, **app)
@@ -187,20 +184,21 @@ class ReplicaFault:
 def ray_app(target: str | None = None, draft: str | None = None, *, method: str = DEFAULT_METHOD,
             gamma: int = DEFAULT_GAMMA, replicas: int = 1, autoscale: tuple[int, int] | None = None, threads: int = 1,
             target_ongoing_requests: float = 2.0, served_model_name: str | None = None, api_key: str | None = None,
-            protect_all: bool = False, max_queue: int = 16, timeout_s: float = 300.0,
+            protect_all: bool = False, max_queue: int = 16, timeout_s: float = 300.0, show_sources: bool = False,
             max_tokens_cap: int | None = None, ctx_size: int | None = None, **load):
     """A Ray Serve application: `replicas` replicas (or autoscaled within `autoscale` = (min, max) on the requests
     queued and running per replica, `target_ongoing_requests` each), each an Engine on `threads` CPU threads
-    serving the OpenAI-compatible app. max_tokens_cap, ctx_size and protect_all: as `serve --max-tokens`,
-    `--ctx-size` and `--protect-all`.
+    serving the OpenAI-compatible app. max_tokens_cap, ctx_size, protect_all and show_sources: as
+    `serve --max-tokens`, `--ctx-size`, `--protect-all` and `--speculation-sources`.
     `load`: more Engine.load arguments (backend, dtype, exact, datastore,
     history_tokens, draft_quant, draft_window, ...). Run it with `start(...)` then `serve.run(app)` (or inside
     your own Serve application)."""
     _check_ray()
-    from ray import serve
     from fastapi import FastAPI
-    from ..methods import wants_draft_model
+    from ray import serve
+
     from ..backends import DEFAULT_TARGET
+    from ..methods import wants_draft_model
     from .app import model_name
     positive_int("threads", threads)
     scaling = _scaling(replicas, autoscale, target_ongoing_requests)
@@ -208,7 +206,7 @@ def ray_app(target: str | None = None, draft: str | None = None, *, method: str 
     load = dict(load, target=target, draft=draft, threads=threads)
     app = dict(model_id=served_model_name or model_name(target or DEFAULT_TARGET), method=method, gamma=gamma,
                api_key=api_key, protect_all=protect_all, max_queue=max_queue, timeout_s=timeout_s,
-               max_tokens_cap=max_tokens_cap)
+               max_tokens_cap=max_tokens_cap, show_sources=show_sources)
     deployment = serve.deployment(
         name="SpecDecode", ray_actor_options={"num_cpus": threads}, max_ongoing_requests=max_queue + 1,
         health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=10, **scaling,
