@@ -5,7 +5,8 @@ then method `draft` (a chain of gamma draft tokens every step, so the draft mode
 seeing the whole text and windows of each size given. The draft never changes the output's law; greedy, each
 output is compared with plain decoding's token for token (outside exact mode a near-tie may fall the other way
 in a pass of another size). What changes is what the draft reads (method `draft` reads it with the target's
-prefill: part of prefill_s and the time to the first token) and how often the target accepts its guesses. Writes results.json and report.md to --out. Run it on a quiet machine.
+prefill: part of prefill_s and the time to the first token) and how often the target accepts its guesses. Writes
+results.json and report.md to --out. Run it on a quiet machine.
 
     python scripts/draft_window_sweep.py --prompts DEVSET.jsonl --per-category 1 --windows 0,1024,512,256 --out DIR
 """
@@ -79,21 +80,25 @@ def main() -> None:
     lines = ["# The draft model's window on long prompts (method `draft`)\n", f"{report['cpu']}\n",
              f"Target {report['target']}, draft {report['draft']}, gamma {a.gamma}, {a.max_new_tokens} new tokens, "
              "greedy. Sums over the prompts; speed against plain decoding in the same run.\n",
-             "| window | acceptance | τ | prefill s (target + draft) | draft s | verify s | wall s | overall vs plain | "
-             "decode tok/s | decode vs plain | output = plain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| window | acceptance | τ | prefill s (target + draft) | draft s | verify s | wall s | "
+             "overall vs plain | decode tok/s | decode vs plain | output = plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     tot = lambda key, get: sum(get(x)[key] or 0 for x in results)  # noqa: E731
     plain_wall = tot("wall_s", lambda x: x["autoregressive"])
     plain_dec = sum(x["autoregressive"]["decode_tok_s"] for x in results) / len(results)
-    lines.append(f"| plain | – | 1.00 | {tot('prefill_s', lambda x: x['autoregressive']):.1f} | – | – | {plain_wall:.1f} | "
+    plain_prefill = tot("prefill_s", lambda x: x["autoregressive"])
+    lines.append(f"| plain | – | 1.00 | {plain_prefill:.1f} | – | – | {plain_wall:.1f} | "
                  f"1.00x | {plain_dec:.2f} | 1.00x | – |")
     for w in windows:
         g = lambda x: x["draft"][str(w)]  # noqa: E731
         acc = sum(g(x)["acceptance"] or 0 for x in results) / len(results)
         tau = sum(g(x)["tau"] or 0 for x in results) / len(results)
         dec = sum(g(x)["decode_tok_s"] for x in results) / len(results)
-        lines.append(f"| {w or 'whole text'} | {acc:.3f} | {tau:.2f} | {tot('prefill_s', g):.1f} | {tot('draft_s', g):.1f} | "
-                     f"{tot('verify_s', g):.1f} | {tot('wall_s', g):.1f} | {plain_wall / tot('wall_s', g):.2f}x | "
-                     f"{dec:.2f} | {dec / plain_dec:.2f}x | {sum(g(x)['same_as_plain'] for x in results)}/{len(results)} |")
+        same = sum(g(x)["same_as_plain"] for x in results)
+        lines.append(f"| {w or 'whole text'} | {acc:.3f} | {tau:.2f} | {tot('prefill_s', g):.1f} | "
+                     f"{tot('draft_s', g):.1f} | {tot('verify_s', g):.1f} | {tot('wall_s', g):.1f} | "
+                     f"{plain_wall / tot('wall_s', g):.2f}x | {dec:.2f} | {dec / plain_dec:.2f}x | "
+                     f"{same}/{len(results)} |")
     lines.append("\nPer prompt: results.json. Acceptance and τ: means over prompts; decode tok/s: mean of the prompts' "
                  "tokens after the first / seconds after it. Prompts: licences per row of the dev set.")
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from specdecode import Engine, exactness
+from specdecode import Engine
 from specdecode.host import cpu_description
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -97,7 +97,8 @@ def main() -> None:
                     n_threads_batch=exact.target.threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
         peer, peer_name = (lambda ids, n: peer_ids(llm, ids, n, exact.eos_ids)), "llama-cpp-python (FA on)"
     else:
-        peer, peer_name = (lambda ids, n: hf_peer_ids(exact.target.model, ids, n, exact.eos_ids)), "transformers generate"
+        peer_name = "transformers generate"
+        peer = lambda ids, n: hf_peer_ids(exact.target.model, ids, n, exact.eos_ids)  # noqa: E731
     rows = json.loads(Path(a.resume).read_text())["rows"] if a.resume else []
     methods = a.methods.split(",")
     for engine, ms in ((exact, ["autoregressive", *methods]), (default, ["autoregressive", "auto"])):
@@ -128,9 +129,10 @@ def main() -> None:
 def write(out: Path, exact, limits, peer_name: str, methods: list[str], max_new_tokens: int, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = {"cpu": cpu_description(), "backend": exact.backend, "target": exact.target.name,
-              "dtype": str(exact.target.dtype), "peer": peer_name, "limits": limits.__dict__, "max_new_tokens": max_new_tokens, "rows": rows}
+              "dtype": str(exact.target.dtype), "peer": peer_name, "limits": limits.__dict__,
+              "max_new_tokens": max_new_tokens, "rows": rows}
     (out / "results.json").write_text(json.dumps(report, indent=1))
-    lines = [f"# Exact greedy mode on the default pair\n", f"{report['cpu']}\n",
+    lines = ["# Exact greedy mode on the default pair\n", f"{report['cpu']}\n",
              f"Measured exact pass sizes: up to {limits.max_pass} tokens, trees {'yes' if limits.trees else 'no'}.\n",
              f"Methods in exact mode: {', '.join(methods)}.\n",
              f"Backend: {exact.backend}, target {exact.target.name} ({exact.target.dtype}).\n",
@@ -147,9 +149,11 @@ def write(out: Path, exact, limits, peer_name: str, methods: list[str], max_new_
         peer_same = sum(r["same"]["peer"] for r in rs)
         lines.append(f"| {cat} | {len(rs)} | {same}/{len(rs)} | {peer_same}/{len(rs)} | "
                      f"{w('exact/autoregressive') / w('default/autoregressive'):.3f} | "
-                     f"{w('exact/auto') / w('default/auto'):.3f} | {w('exact/auto') / w('default/autoregressive'):.3f} | "
+                     f"{w('exact/auto') / w('default/auto'):.3f} | "
+                     f"{w('exact/auto') / w('default/autoregressive'):.3f} | "
                      f"{tau('exact/auto'):.2f} | {tau('default/auto'):.2f} | "
-                     f"{med('exact/autoregressive', 'default/autoregressive'):.3f}, {med('exact/auto', 'default/auto'):.3f} |")
+                     f"{med('exact/autoregressive', 'default/autoregressive'):.3f}, "
+                     f"{med('exact/auto', 'default/auto'):.3f} |")
     lines.append("\nRatios are wall-time ratios summed over the category's prompts (>1: exact mode is slower). "
                  "HumanEval: MIT; MT-bench questions: Apache-2.0.")
     (out / "report.md").write_text("\n".join(lines) + "\n")

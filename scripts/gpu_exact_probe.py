@@ -1,8 +1,8 @@
-"""Exact greedy mode and pass costs on a CUDA GPU, with models of the default pair's shapes (and the
-bound they set for served speed). The device machine reaches no network and takes no weights along, so the models are random-initialised
-from the default pair's configs (Qwen2.5-Coder-1.5B / 0.5B, bf16, sdpa attention): kernel paths and pass costs
-depend on the shapes, not on the weights' values. A random model's logits are nearly flat (near-ties everywhere),
-which makes any differing bit show up as a differing token sooner than a trained model would.
+"""Exact greedy mode and pass costs on a CUDA GPU, with models of the default pair's shapes (and the bound they set for
+served speed). The device machine reaches no network and takes no weights along, so the models are random-initialised
+from the default pair's configs (Qwen2.5-Coder-1.5B / 0.5B, bf16, sdpa attention): kernel paths and pass costs depend on
+the shapes, not on the weights' values. A random model's logits are nearly flat (near-ties everywhere), which makes any
+differing bit show up as a differing token sooner than a trained model would.
 
 Measures, writing results.json after every step (a cut-off run keeps what it had):
 1. T(k): one pass over k new tokens after 128 cached, median of 5;
@@ -119,7 +119,8 @@ def main() -> None:
             t = time.perf_counter()
             c = check_greedy(engine, prompt, m, n, ref.token_ids, rows)
             r["wall"][f"exact/{m}"] = round(time.perf_counter() - t, 3)
-            r["same"][m], r["bits"][m] = c["identical"] and c["passed"], f"{c['bit_identical']}/{c['positions_compared']}"
+            r["same"][m] = c["identical"] and c["passed"]
+            r["bits"][m] = f"{c['bit_identical']}/{c['positions_compared']}"
             r["tau"][f"exact/{m}"] = round(1 + c["accepted"] / max(1, c["tokens"] - c["accepted"]), 2)
         dflt = {m: timed(default, prompt, m, n, r, f"default/{m}") for m in ("autoregressive", "draft")}
         r["same"]["default_draft_vs_default_ar"] = dflt["draft"].token_ids == dflt["autoregressive"].token_ids

@@ -347,7 +347,8 @@ def build(roots: list[Path], per_category: int = 5, seed: int = 0, min_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--site-packages", action="append", type=Path, default=None,
                     help="a folder of installed distributions (*.dist-info); repeatable (default: the active "
                          "Python's site-packages)")

@@ -12,8 +12,8 @@ import argparse
 import statistics
 import time
 
-from specdecode.backends.llamacpp import LlamaLM
 from specdecode.backends import DEFAULT_TARGET, load_lm
+from specdecode.backends.llamacpp import LlamaLM
 
 
 def ours(path, threads, ids, steps, **kw):

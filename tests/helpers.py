@@ -8,18 +8,17 @@ from types import SimpleNamespace
 from typing import Callable
 
 import httpx
-
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from specdecode import SamplingParams, Stats, speculative_decode
-from specdecode.sampling import sample
-from specdecode.verify import verify as real_verify
-from specdecode.planning.costs import CostModel
 from specdecode.backends import BUILTIN, DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.launch.http import tls
+from specdecode.planning.costs import CostModel
+from specdecode.sampling import sample
+from specdecode.verify import verify as real_verify
 
 GREEDY = SamplingParams()
 # httpx's module-level requests on one TLS context: httpx makes one for each (~35 ms of CPU loading the CA file;
@@ -138,7 +137,10 @@ def no_residual_update(final: str) -> TreeVerifier:
             else:
                 if children[row] and final == "residual":
                     first = children[row][0]
-                    q_first = torch.zeros_like(dist).index_fill_(0, torch.tensor(tokens[first]), 1.0) if q is None else q[first]
+                    if q is None:
+                        q_first = torch.zeros_like(dist).index_fill_(0, torch.tensor(tokens[first]), 1.0)
+                    else:
+                        q_first = q[first]
                     res = (dist - q_first).clamp(min=0)
                     dist = res / res.sum() if res.sum() > 0 else dist
                 x = int(torch.multinomial(dist, 1, generator=generator))
@@ -246,6 +248,7 @@ class LiveServer:
         import time
 
         import uvicorn
+
         from specdecode.server.app import Server
         self.app = app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -20,10 +20,10 @@ from .stats import Stats
 from .verify import verdict
 
 
-def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int, params: SamplingParams,
-                       max_new_tokens: int, eos_ids: set[int], generator: torch.Generator | None,
-                       stats: Stats, exact: ExactLimits | None = None, scope: str | None = None,
-                       interrupt: Interrupt | None = None) -> Iterator[list[int]]:
+def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int,
+                       params: SamplingParams, max_new_tokens: int, eos_ids: set[int],
+                       generator: torch.Generator | None, stats: Stats, exact: ExactLimits | None = None,
+                       scope: str | None = None, interrupt: Interrupt | None = None) -> Iterator[list[int]]:
     """Yield newly committed token ids, step by step. stats is filled in as it goes. gamma: the most
     tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
     still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are

@@ -38,7 +38,8 @@ class Stats:
     plain_step_s: float | None = None  # the cost model's seconds of one plain decoding step (at the contexts
     # of the planned passes, weighted by their expected tokens)
     strategies: dict = field(default_factory=dict)  # target passes by what ran: plain, lookup, draft, tree
-    sources: dict = field(default_factory=dict)  # source -> {"drafted": n, "accepted": n}: draft, context, history, datastore
+    # source -> {"drafted": n, "accepted": n}: draft, context, history, datastore
+    sources: dict = field(default_factory=dict)
     lookup_sources: list = field(default_factory=list)  # the lookup sources this generation drew from
     # OpenAI's usage fields for a prediction (prediction.py): its tokens the output holds along their best alignment,
     # and those it does not (of those the output could reach); counted when the generation ends, 0 without one

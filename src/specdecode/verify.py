@@ -141,8 +141,9 @@ def verify_greedy(best: list[int], tokens: list[int], parents: list[int]) -> tup
 
 
 def verdict(logits: torch.Tensor, draft, params, generator: torch.Generator | None) -> tuple[list[int], int]:
-    """The target's verdict on a drafters.Draft (sampling.SamplingParams params), from its logits after the root and each drafted node: the accepted
-    nodes (a branch, root side first) and the token that follows them (a correction or the bonus)."""
+    """The target's verdict on a drafters.Draft (sampling.SamplingParams params), from its logits after the root and
+    each drafted node: the accepted nodes (a branch, root side first) and the token that follows them (a correction or
+    the bonus)."""
     if params.greedy and draft.q is None:  # one-hot p and q: the rule reduces to following the argmax
         return verify_greedy(argmax(logits), draft.tokens, draft.tree_parents)
     if draft.parents is None:  # a chain: the batched rule

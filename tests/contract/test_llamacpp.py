@@ -23,7 +23,6 @@ a 1-token pass of these models took 260 ms with 2 threads against 0.15 ms with o
 """
 from __future__ import annotations
 
-
 import os
 import sys
 import textwrap
@@ -35,17 +34,19 @@ import torch
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs llama-cpp-python (not installed)")
 
-import specdecode.engine as engine_mod
 import specdecode.verify as verify_mod  # noqa: E402  (verify.verdict calls verify, verify_tree from here)
 import tinygguf  # noqa: E402
+from helpers import CHEAP, EXPENSIVE, accept_everything, gof_pvalue, no_residual_update, residual_is_p, run_child  # noqa: E402
 from specdecode import Engine, SamplingParams, SpecDecodeError  # noqa: E402
-from specdecode.cli import main  # noqa: E402
-from specdecode.backends import CachedLM  # noqa: E402
+from specdecode.backends import (  # noqa: E402
+    CachedLM,
+    cache_dir,
+    load_lm,
+    resolve_backend,
+)
 from specdecode.backends.llamacpp import LlamaLM  # noqa: E402
-from specdecode.backends import cache_dir, load_lm, resolve_backend  # noqa: E402
+from specdecode.cli import main  # noqa: E402
 from specdecode.sampling import probs_from_logits  # noqa: E402
-from helpers import (CHEAP, EXPENSIVE, accept_everything, gof_pvalue, no_residual_update,  # noqa: E402
-                     residual_is_p, run_child)
 from tiny import byte_tokenizer, tiny_model  # noqa: E402
 from tinygguf import write_tiny_gguf  # noqa: E402
 
@@ -302,7 +303,8 @@ def check_greedy(case, prompt, got, what):
     ref.reset()
     rows = ref.forward(prompt_ids + got)[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(got)]
     slack = rows.max(-1).values - rows[torch.arange(len(got)), torch.tensor(got)]
-    assert slack.max().item() <= tie, f"{what}: token {int(slack.argmax())} is {slack.max().item():.3g} below the argmax"
+    assert slack.max().item() <= tie, (f"{what}: token {int(slack.argmax())} is {slack.max().item():.3g} "
+                                       "below the argmax")
     if got == want:
         return 0
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
@@ -349,7 +351,8 @@ def test_auto_with_given_costs_equals_autoregressive(greedy, monkeypatch):
             monkeypatch.setattr(case.engine, "costs", costs)
             for prompt in GREEDY_PROMPTS[:2]:
                 out = case.engine.generate(prompt, method="auto", max_new_tokens=N_GREEDY)
-                check_greedy(case, prompt, out.token_ids, f"{which}: auto, {'cheap' if costs is CHEAP else 'expensive'}")
+                priced = "cheap" if costs is CHEAP else "expensive"
+                check_greedy(case, prompt, out.token_ids, f"{which}: auto, {priced}")
                 assert out.stats.tree == {"draft_model": costs is CHEAP}
 
 
@@ -535,7 +538,8 @@ def test_cli_exit_2_with_one_line(files, tiny_dirs, tmp_path, capsys):
 def test_cli_generates_on_llama_cpp(files, greedy, capsys):
     import json
     code = main(["generate", "hello world", "--target", str(files.target), "--draft", str(files.draft), "--backend",
-                 "llama.cpp", "--threads", "1", "--method", "draft", "--gamma", "3", "--max-new-tokens", "40", "--json"])
+                 "llama.cpp", "--threads", "1", "--method", "draft", "--gamma", "3", "--max-new-tokens", "40",
+                 "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == greedy["seed1"].plain("hello world")[:40]

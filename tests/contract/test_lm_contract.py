@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from helpers import BRANCHES, SHAPES, path_of, random_tokens, random_tree
 from specdecode.backends import CachedLM
 from specdecode.errors import SpecDecodeError
-from helpers import BRANCHES, SHAPES, path_of, random_tokens, random_tree
 from tiny import tiny_model
 
 V = 257

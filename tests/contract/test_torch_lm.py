@@ -7,8 +7,8 @@ test_lm_contract.py (reference for every check: a fresh CachedLM that prefills t
 import pytest
 import torch
 
-from specdecode.errors import SpecDecodeError
 from specdecode.backends import CachedLM
+from specdecode.errors import SpecDecodeError
 from tiny import tiny_sliding_model
 
 TOL = dict(rtol=1e-4, atol=1e-4)

@@ -12,10 +12,10 @@ import torch
 import specdecode.planning.costs as costs_mod
 import specdecode.planning.tree as tree_mod
 from helpers import CHEAP, GREEDY, run
-from specdecode import Engine, SamplingParams
-from specdecode.planning.costs import CostModel, load_or_measure, measure
-from specdecode.drafters import DraftModel
+from specdecode import Engine
 from specdecode.backends import CachedLM
+from specdecode.drafters import DraftModel
+from specdecode.planning.costs import CostModel, load_or_measure, measure
 from specdecode.planning.planner import TreeState, best_cut, draft_model_can_pay
 from specdecode.planning.tree import TreeDrafter
 from tiny import byte_tokenizer, tiny_model
@@ -296,7 +296,8 @@ def test_catch_up_cost_decides_whether_auto_runs_the_draft(step_clock, prompt_le
     assert ran == runs, (draft.strategy, drafter.model.unread(len(ids)))
     if ran and window is None and prompt_len > 100:
         assert draft.catchup_s > 0  # read apart and timed
-        assert draft.modelled_s > 0.009 * prompt_len  # the catch-up (0.01 a token) is in what the step is modelled to cost
+        # the catch-up (0.01 a token) is in what the step is modelled to cost
+        assert draft.modelled_s > 0.009 * prompt_len
 
 
 def test_catch_up_is_weighed_against_the_generations_own_rate_without_the_model(step_clock):
@@ -323,7 +324,8 @@ def test_catch_up_is_not_counted_in_the_measured_step_rate(step_clock):
     assert draft.catchup_s == 1.0  # one tick of the step clock: the catch-up pass
     drafter.commit(len(ids), [], 3)
     tokens, seconds = drafter.state.measured[True]
-    assert tokens == 1 and seconds == pytest.approx(step_clock[0] - 1.0 - draft.catchup_s)  # from the step start (tick 1), less the catch-up
+    # from the step start (tick 1), less the catch-up
+    assert tokens == 1 and seconds == pytest.approx(step_clock[0] - 1.0 - draft.catchup_s)
 
 
 def test_auto_reads_the_prompt_lazily_and_states_the_catch_up(step_clock):

@@ -2,12 +2,11 @@
 import pytest
 import torch
 
-from specdecode import Engine, SamplingParams, SpecDecodeError, Stats, speculative_decode
-from specdecode.drafters import DraftModel, PromptLookup
-from specdecode.backends import CachedLM
 from helpers import GREEDY, run
+from specdecode import Engine, SamplingParams, SpecDecodeError, Stats, speculative_decode
+from specdecode.backends import CachedLM
+from specdecode.drafters import DraftModel, PromptLookup
 from tiny import byte_tokenizer, tiny_model, tiny_sliding_model
-
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +247,8 @@ def test_draft_method_without_draft_model(make_engine):
 
 
 def test_incompatible_tokenizers():
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
     other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, "[UNK]")))
     with pytest.raises(SpecDecodeError, match="tokenizers differ"):
         Engine(tiny_model(0), byte_tokenizer(), tiny_model(1), other)

@@ -28,8 +28,8 @@ NEW = 40
 def ggufs(tmp_path_factory):
     """Tiny GGUFs (hidden 256: K-quant blocks fit) in F32 and requantized."""
     pytest.importorskip("llama_cpp")
-    from tinygguf import write_tiny_gguf
     from specdecode.backends.llamacpp.lm import _lib
+    from tinygguf import write_tiny_gguf
     lc = _lib()
     d = tmp_path_factory.mktemp("exact")
     src = write_tiny_gguf(d / "tiny-F32.gguf", 0, hidden=256)
@@ -110,6 +110,7 @@ def _peer_greedy(peer, ids: list[int], n: int, eos: set[int]) -> list[int]:
 
 def test_plain_decoding_equals_llama_cpp_pythons_own(ggufs):
     from llama_cpp import Llama
+
     from specdecode.backends.llamacpp import LlamaLM
     path = ggufs["Q4_K_M"]
     engine = Engine(LlamaLM(path, threads=1, exact=True), byte_tokenizer(), exact=True)
@@ -128,6 +129,7 @@ def test_default_greedy_reads_the_prompt_as_llama_cpp_python_does(ggufs, qtype):
     on 10 of 10 MT-bench questions on a Zen 4); our plain decoding then equals the peer's (flash attention off,
     llama-cpp-python's default) token for token."""
     from llama_cpp import Llama
+
     from specdecode.backends.llamacpp import LlamaLM
     lm = LlamaLM(ggufs[qtype], threads=1)
     engine = Engine(lm, byte_tokenizer())

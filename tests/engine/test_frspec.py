@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from helpers import CHEAP
 from specdecode import Engine, SpecDecodeError
 from specdecode.drafters import build_datastore, tokenizer_fingerprint
-from helpers import CHEAP
 from tiny import byte_tokenizer
 
 TEXT = "def add(a, b):\n    return a + b\n\nhello world, hello there\n" * 4

@@ -22,10 +22,10 @@ from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specdecode import Engine, SpecDecodeError, Stats
-from specdecode.drafters import DraftModel
-from specdecode.backends import CachedLM
 from helpers import CHEAP, run
+from specdecode import Engine, SpecDecodeError, Stats
+from specdecode.backends import CachedLM
+from specdecode.drafters import DraftModel
 from tiny import byte_tokenizer, tiny_model, tiny_sliding_model
 
 V = 257

@@ -5,8 +5,7 @@ import dataclasses
 
 import pytest
 
-from specdecode import METHODS, Engine, SpecDecodeError
-from specdecode import bench, builders, methods
+from specdecode import METHODS, Engine, SpecDecodeError, bench, builders, methods
 from specdecode.drafters import PromptLookup
 from specdecode.methods import METHOD_TABLE, NO, OPTIONAL, REQUIRED, DraftRequest, Method
 

@@ -9,9 +9,8 @@ import json
 
 import openai
 import pytest
-from helpers import LiveServer, http, run
-from tiny import char_tokenizer, tiny_model
 
+from helpers import LiveServer, http, run
 from specdecode import Engine, SpecDecodeError
 from specdecode.backends import CachedLM
 from specdecode.drafters import Alignment
@@ -19,6 +18,7 @@ from specdecode.drafters.copy import copy_values
 from specdecode.drafters.lookup import Lookup
 from specdecode.planning.costs import CostModel
 from specdecode.planning.tree import TreeDrafter
+from tiny import char_tokenizer, tiny_model
 
 # pass costs in plain steps as measured with llama.cpp's Q4 on a 2-core Xeon (a 16-token pass ~3.4 plain steps)
 XEON = CostModel({1: 1.0, 2: 1.53, 3: 2.08, 4: 1.53, 8: 2.97, 16: 3.39, 32: 6.10, 64: 12.2}, {})
@@ -283,6 +283,7 @@ def test_engine_refuses_a_prediction_that_is_not_text(engine):
 
 def test_cli_generate_with_a_prediction_file_and_stdin(tiny_dirs, tmp_path, capsys, monkeypatch):
     import io
+
     from specdecode.cli import main
     target, draft = tiny_dirs
     base = ["generate", PROMPT, "--target", str(target), "--draft", str(draft), "--backend", "torch", "--method",

@@ -9,7 +9,6 @@ import pytest
 
 from specdecode import Engine
 from specdecode.errors import SpecDecodeError
-
 from tiny import byte_tokenizer, tiny_model
 
 FIRST = "the cat sat on the mat; the cat sat on the"

@@ -7,7 +7,6 @@ trees keep the target's distribution (chi-square, with a wrong verifier as negat
 """
 from __future__ import annotations
 
-
 import json
 
 import numpy as np
@@ -17,13 +16,13 @@ from scipy.stats import chisquare
 
 import specdecode.planning.costs as costs_mod
 import specdecode.verify as verify_mod  # noqa: E402  (verify.verdict calls verify, verify_tree from here)
-from specdecode import SamplingParams, SpecDecodeError, Stats, speculative_decode
-from specdecode.planning.costs import Calibration, CostModel, load_or_measure, measure
-from specdecode.drafters import DraftModel
-from specdecode.backends import CachedLM
-from specdecode.sampling import probs_from_logits
-from specdecode.planning.tree import MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeDrafter
 from helpers import CHEAP, EXPENSIVE, no_residual_update, run  # run: the loop driven on token ids
+from specdecode import SamplingParams, SpecDecodeError, Stats, speculative_decode
+from specdecode.backends import CachedLM
+from specdecode.drafters import DraftModel
+from specdecode.planning.costs import Calibration, CostModel, load_or_measure, measure
+from specdecode.planning.tree import MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeDrafter
+from specdecode.sampling import probs_from_logits
 from tiny import tiny_model
 
 GREEDY = SamplingParams()
@@ -158,7 +157,8 @@ def test_max_new_tokens_inside_a_tree(models, plain, n):
 def test_tree_stops_at_the_context_limit():
     small = tiny_model(0, max_pos=40)
     want, _ = run(CachedLM(small), None, PROMPTS[1], 0, 100)
-    for drafter in (TreeDrafter(DraftModel(small, V), width=3, depth=8), TreeDrafter(DraftModel(tiny_model(1), V), costs=CHEAP)):
+    for drafter in (TreeDrafter(DraftModel(small, V), width=3, depth=8),
+                    TreeDrafter(DraftModel(tiny_model(1), V), costs=CHEAP)):
         out, stats = run_tree(small, drafter, PROMPTS[1], 100)
         assert out == want and len(out) == 10 and stats.finish_reason == "length"
 
@@ -209,8 +209,8 @@ def test_caches_hold_exactly_the_committed_text(models, plain, kw, params):
     committed = list(PROMPTS[2])
     stats = Stats()
     for step, new in enumerate(speculative_decode(target, drafter, committed[:], gamma=drafter.max_depth, params=params,
-                                                  max_new_tokens=90, eos_ids=set(), generator=torch.Generator().manual_seed(1),
-                                                  stats=stats)):
+                                                  max_new_tokens=90, eos_ids=set(),
+                                                  generator=torch.Generator().manual_seed(1), stats=stats)):
         committed += new
         # target: every committed token but the last, as a plain trunk (no stale tree entries)
         assert target.ids == committed[:-1]

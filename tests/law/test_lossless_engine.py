@@ -40,7 +40,6 @@ core); ENGINE_STATS_N=20000 takes about 4 (and the chi-square then detects only 
 """
 from __future__ import annotations
 
-
 import os
 import pickle
 import random
@@ -56,13 +55,13 @@ from transformers.cache_utils import Cache
 
 import specdecode.engine as engine_mod
 import specdecode.verify as verify_mod  # noqa: E402  (verify.verdict calls verify, verify_tree from here)
-from specdecode import Engine, SamplingParams
-from specdecode.planning.costs import CostModel
-from specdecode.backends import CachedLM
-from specdecode.sampling import probs_from_logits
-from specdecode.planning.tree import TreeDrafter, draft_model_can_pay
-from specdecode.verify import verify as real_verify
 from helpers import accept_everything, gof_pvalue, no_residual_update, residual_is_p
+from specdecode import Engine, SamplingParams
+from specdecode.backends import CachedLM
+from specdecode.planning.costs import CostModel
+from specdecode.planning.tree import TreeDrafter, draft_model_can_pay
+from specdecode.sampling import probs_from_logits
+from specdecode.verify import verify as real_verify
 from tiny import tiny_model
 
 ALPHA = 1e-6  # a p-value at or below this is a failure
@@ -360,7 +359,8 @@ def pvalues(counts: np.ndarray, law: np.ndarray) -> dict[str, float]:
 
 # ============================================================= sampling through the engine
 
-_DRAFTS: list[tuple[int, int, bool]] = []  # (drawn nodes, lookup nodes, branching) of a generation's first TreeDrafter step
+# (drawn nodes, lookup nodes, branching) of a generation's first TreeDrafter step
+_DRAFTS: list[tuple[int, int, bool]] = []
 
 
 def _spy_on_tree_drafts(monkeypatch):

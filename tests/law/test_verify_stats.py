@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import _draw, gof_pvalue
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 from specdecode.verify import verify
-from helpers import _draw, gof_pvalue
 
 N = 100_000  # sequences, all in the first verifier call
 ALPHA = 1e-6  # a p-value at or below this is a failure

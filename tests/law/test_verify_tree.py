@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.verify import verify, verify_tree
 from helpers import TreeVerifier, _draw, gof_pvalue, no_residual_update  # the chain tests' chi-square and sampler
+from specdecode.verify import verify, verify_tree
 
 ALPHA = 1e-6  # a p-value at or below this is a failure
 N = 100_000  # trials per statistical case (one verify_tree call each)

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from helpers import needs_default_pair
-from specdecode.errors import SpecDecodeError
 from specdecode.backends import BUILTIN, DEFAULT_DRAFT, ChunkedGGUF, assemble, cache_dir, converted, load_model
+from specdecode.errors import SpecDecodeError
 
 
 def test_cache_dir_override(monkeypatch, tmp_path):

@@ -2,8 +2,8 @@
 generation), and with protect_all (`serve --protect-all`) the API key guards /metrics and the API docs as it
 guards /v1, while /health and the web page stay open."""
 import pytest
-from helpers import LiveServer, http
 
+from helpers import LiveServer, http
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 from specdecode.server import create_app
@@ -22,8 +22,8 @@ SHARED_CACHE = True  # one cache for this module's servers (conftest)
                                           "multipart/form-data; boundary=x"])
 def test_a_body_not_declared_json_is_a_415_and_starts_no_generation(tiny_engine, monkeypatch, content_type):
     opened = []
-    stream = tiny_engine.stream
-    monkeypatch.setattr(tiny_engine, "stream", lambda *a, **kw: opened.append(1) or stream(*a, **kw))
+    open_ = tiny_engine.open
+    monkeypatch.setattr(tiny_engine, "open", lambda request: opened.append(1) or open_(request))
     srv = LiveServer(create_app(tiny_engine, model_id=MODEL, method="pld", gamma=2))
     try:
         headers = {} if content_type is None else {"content-type": content_type}

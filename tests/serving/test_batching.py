@@ -2,7 +2,6 @@
 each one's output is that of the generation alone."""
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ from specdecode import Engine
 from specdecode.backends.llamacpp.batching import Lockstep, plan_split
 from specdecode.errors import SpecDecodeError
 from specdecode.slots import Slots
-
 from tiny import byte_tokenizer, tiny_model
 
 PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat; the cat sat on the", "hello world", "xyz xyz xyz xyz",
@@ -65,7 +63,8 @@ def test_mixed_methods_lengths_and_sampling_run_together(engine):
 
 def test_long_prompt_is_read_in_chunks_while_others_decode(engine):
     slots = Slots(engine, 2, prefill_chunk=16)
-    long = "lorem ipsum dolor sit amet " * 8  # 216 byte tokens: 12 chunks of 16, then the last 24 (<= 1.5 chunks) in one
+    # 216 byte tokens: 12 chunks of 16, then the last 24 (<= 1.5 chunks) in one
+    long = "lorem ipsum dolor sit amet " * 8
     seen = []
     real = slots.engines[1].target._shared.decode
 
@@ -249,6 +248,7 @@ def test_a_prefill_chunk_given_is_what_slots_read_prompts_in(engine):
 
 def test_time_mixing_is_measured_and_cached_with_the_calls(engine):
     import json
+
     from specdecode.backends.llamacpp.split import time_mixing
     from specdecode.planning.batch import costs_path
     slots = Slots(engine, 2)
@@ -371,8 +371,8 @@ def test_slots_need_a_backend_that_batches_and_no_exact_mode(gguf):
 
 
 def test_costs_in_company_are_what_a_pass_adds():
-    from specdecode.planning.costs import CostModel
     from specdecode.planning.batch import BatchPricing
+    from specdecode.planning.costs import CostModel
     table = {1: 0.079, 2: 0.119, 4: 0.181, 8: 0.462}  # Zen 3's T(k): a pass of 8 takes a slower kernel
     company = [0]
     costs = BatchPricing(CostModel(table, {1: 0.03, 2: 0.04}), lambda: company[0])
@@ -391,8 +391,8 @@ def test_a_guess_in_company_pays_whatever_the_others_do():
     """Zen 4, calls over 8 slots (ms, measured): a call of 16 tokens is cheaper than one of 12-15, and 8 plain rows go
     cheapest as two calls of 4. As a share of a call where every slot guessed too, 3 guesses looked cheap (C(32) / 8);
     beside the others' plain rows they make a call of 11 (real calls of 10-14 tokens: 1.3-1.6x the plain rows)."""
-    from specdecode.planning.costs import CostModel
     from specdecode.planning.batch import BatchPricing
+    from specdecode.planning.costs import CostModel
     zen4 = {1: 33.4, 2: 57.9, 3: 81.6, 4: 99.4, 5: 124.3, 6: 144.3, 7: 171.6, 8: 223.3, 9: 242.6, 10: 257.0,
             11: 282.1, 12: 291.9, 13: 315.4, 14: 323.2, 15: 344.9, 16: 289.7, 20: 359.5, 24: 411.4}
     calls = CostModel({k: v / 1000 for k, v in zen4.items()})
@@ -465,6 +465,7 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
     import asyncio
 
     import httpx
+
     from helpers import LiveServer
     from specdecode.server import create_app
     slots = Slots(engine, 3)
@@ -474,7 +475,8 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
                                  speculation={"method": ["pld", "autoregressive", "tree"][i % 3]}))
             for i, p in enumerate(PROMPTS)]
     reqs.append(("chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=12)))
-    reqs.append(("chat/completions", dict(messages=[{"role": "user", "content": "bye"}])))  # max_tokens: the slot's room
+    # max_tokens: the slot's room
+    reqs.append(("chat/completions", dict(messages=[{"role": "user", "content": "bye"}])))
 
     async def one(client, path, body):
         text = ""
@@ -511,8 +513,9 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
 
 def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monkeypatch):
     import json
-    from specdecode.backends.llamacpp.batching import SharedContext
+
     from specdecode.backends.llamacpp import N_BATCH
+    from specdecode.backends.llamacpp.batching import SharedContext
     from specdecode.planning.batch import CALLS_FORMAT, costs_path
     slots = Slots(engine, 2)
     raw = json.loads(costs_path(engine.target, 2).read_text())
@@ -538,8 +541,8 @@ def test_the_calls_table_learns_what_calls_take_and_the_prices_follow():
     """Xeon, 8 slots (ms): the table timed 9 tokens at 218 beside 210 for 8 plain rows, and a lookup guess looked
     cheap; served calls of 9 took ~228 (longer texts). Once the table learns that, the guess is priced at what it
     adds; before an update (every LEARN_EVERY calls) the prices stay as they were."""
-    from specdecode.planning.costs import CostModel
     from specdecode.planning.batch import LEARN_EVERY, BatchPricing, CallCostTracker
+    from specdecode.planning.costs import CostModel
     xeon = {1: 59.2, 2: 96.8, 4: 114.7, 7: 190.5, 8: 210.2, 9: 217.7, 10: 234.7, 12: 246.8, 16: 247.3, 32: 422.9}
     calls = CostModel({k: v / 1000 for k, v in xeon.items()})
     costs = BatchPricing(CostModel({1: .065, 2: .1}), lambda: 7, calls)
@@ -610,6 +613,7 @@ def test_a_server_on_slots_checks_requests_against_what_a_slot_holds(engine):
     """Each slot holds 256 cells less its tree-node ids (129 tokens) while the model's context is 512: a prompt or a
     max_tokens past the slot's room is a 400 before anything runs, not a 200 that ends in an error or is cut short."""
     import httpx
+
     from helpers import LiveServer
     from specdecode.server import create_app
     slots = Slots(engine, 2, cells=2 * 256)
@@ -636,6 +640,7 @@ def test_a_server_on_slots_refuses_a_tree_a_slot_cannot_hold_before_answering(en
     """4 slots hold (256 - 4) // 4 = 63 tree-node ids each: a request's explicit tree shape past that is a 400 naming
     the field, streamed or not (not a 200 whose stream ends in an error when a slot opens it); one that fits runs."""
     import httpx
+
     from helpers import LiveServer
     from specdecode.server import create_app
     slots = Slots(engine, 4, cells=4 * 256)
@@ -644,8 +649,9 @@ def test_a_server_on_slots_refuses_a_tree_a_slot_cannot_hold_before_answering(en
     try:
         with httpx.Client(base_url=live.url, timeout=60) as client:
             def post(stream, **shape):
-                return client.post("/v1/completions", json={"model": "tiny", "prompt": "abcabc", "max_tokens": 4,
-                                                            "stream": stream, "speculation": {"method": "tree", **shape}})
+                body = {"model": "tiny", "prompt": "abcabc", "max_tokens": 4, "stream": stream,
+                        "speculation": {"method": "tree", **shape}}
+                return client.post("/v1/completions", json=body)
             for stream in (False, True):
                 for shape, field in (({"tree_nodes": 100}, "tree_nodes"), ({"tree_width": 8}, "tree_width")):
                     r = post(stream, **shape)
@@ -661,9 +667,9 @@ def test_serve_ctx_size_is_each_slots_context_checked_against_memory(tmp_path, m
     """`serve --parallel 2 --ctx-size 6000`: each slot holds 6,000 tokens (not 4,096), the server checks requests
     against that, and a size whose cache would not fit in memory is refused before it is made."""
     pytest.importorskip("llama_cpp")
-    from tinygguf import write_tiny_gguf
     from specdecode.cli import main
     from specdecode.server import app as app_module
+    from tinygguf import write_tiny_gguf
     target = write_tiny_gguf(tmp_path / "long.gguf", 0, ctx=8192)
     apps = []
 

@@ -5,12 +5,12 @@ import json
 
 import openai
 import pytest
-from helpers import LiveServer, http
-from tiny import build_engine
 
+from helpers import LiveServer, http
 from specdecode.planning.costs import CostModel
 from specdecode.routing import Router
 from specdecode.server import create_app, engine_lock
+from tiny import build_engine
 
 MODEL = "tiny"
 # llama.cpp's Q4 on a CPU: cheap plain steps; torch bf16 with AMX: plain steps three times dearer, flat passes
@@ -119,12 +119,11 @@ def test_a_server_of_one_engine_names_it_and_refuses_a_pin_to_another(tiny_engin
 def test_a_server_on_batch_slots_names_the_engine_of_the_slot_that_ran_it(tmp_path):
     """A request opened on the engine runs on a slot's Engine (opened again there): that one's answer names it too."""
     pytest.importorskip("llama_cpp")
-    from tiny import byte_tokenizer
-    from tinygguf import write_tiny_gguf
-
     from specdecode import Engine
     from specdecode.backends.llamacpp import LlamaLM
     from specdecode.slots import Slots
+    from tiny import byte_tokenizer
+    from tinygguf import write_tiny_gguf
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
     e = Engine(LlamaLM(gguf, threads=1), byte_tokenizer())
     e.progress = False

@@ -4,7 +4,6 @@ Ray once (35 s of the minute these tests take on 2 cores): the tests that need i
 them; `-m "not cluster"` leaves them out) and run on one xdist worker."""
 import asyncio
 import json
-import os
 import socket
 import sys
 import time
@@ -16,7 +15,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import http, run_child as run  # the child-process runner (helpers.run drives the loop)
+from helpers import (
+    http,  # the child-process runner (helpers.run drives the loop)
+    run_child as run,
+)
 from specdecode.cli import main
 from specdecode.server import ray_serve
 
@@ -107,6 +109,7 @@ def test_a_failed_start_shuts_serve_down_only_on_a_cluster_started_here(monkeypa
     process started the cluster itself, never where it attached to one ($RAY_ADDRESS, a `ray start`)."""
     ray = pytest.importorskip("ray")
     from types import SimpleNamespace
+
     from ray import serve
     state = {"initialized": connected}
     shutdowns = []
@@ -222,6 +225,7 @@ def cluster(tiny_dirs, tmp_path_factory):
 def plain(tiny_dirs):
     """`specdecode serve` without Ray: the same app in this process, for reference answers."""
     from fastapi.testclient import TestClient
+
     from specdecode import Engine
     from specdecode.server import create_app
     target, draft = tiny_dirs

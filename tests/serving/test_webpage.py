@@ -9,11 +9,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from helpers import LiveServer, http
 from prometheus_client.parser import text_string_to_metric_families
-from tiny import char_tokenizer
 
+from helpers import LiveServer, http
 from specdecode.server import create_app
+from tiny import char_tokenizer
 
 MODEL = "tiny"
 KEY = "sk-page-0123456789"

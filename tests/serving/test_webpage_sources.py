@@ -7,8 +7,8 @@ from collections import Counter
 
 import openai
 import pytest
-from helpers import LiveServer, http
 
+from helpers import LiveServer, http
 from specdecode import Engine
 from specdecode.server import create_app
 

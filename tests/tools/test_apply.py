@@ -7,8 +7,18 @@ import stat
 import pytest
 
 from specdecode.apply.cli import Reply, stats_line
-from specdecode.apply.text import (NoCodeBlock, Source, answer_budget, build_request, extract_block, fence_for,
-                                   match_final_newline, read_source, unified_diff, write_atomically)
+from specdecode.apply.text import (
+    NoCodeBlock,
+    Source,
+    answer_budget,
+    build_request,
+    extract_block,
+    fence_for,
+    match_final_newline,
+    read_source,
+    unified_diff,
+    write_atomically,
+)
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 
@@ -158,6 +168,7 @@ def test_the_stats_line_sets_the_speed_beside_plain_decodings():
 
 def test_the_prediction_counts_are_the_usage_fields_where_the_stats_hold_them():
     from types import SimpleNamespace
+
     from specdecode.apply.cli import reply_of_generation
 
     class Stats(SimpleNamespace):

@@ -3,8 +3,15 @@ import json
 
 import pytest
 
-from specdecode.bench import (alpha_from_counts, analytic_bound, cost_model_bound, load_prompts, parse_methods, report,
-                              run_bench, summarize, write_outputs)
+from specdecode.bench import (
+    alpha_from_counts,
+    analytic_bound,
+    cost_model_bound,
+    load_prompts,
+    parse_methods,
+    report,
+    summarize,
+)
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 
@@ -385,6 +392,7 @@ def test_llama_cpp_peer_runs_in_a_process_of_its_own(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp peer needs llama-cpp-python (not installed)")
     import os
     from types import SimpleNamespace
+
     from specdecode.bench.peers import LlamaPeer
     from specdecode.errors import SpecDecodeError
     from tinygguf import write_tiny_gguf

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.launch.llama_server import find_binary
 from specdecode.cli import main
+from specdecode.launch.llama_server import find_binary
 
 LLAMA_SERVER = find_binary("llama-server")  # read at import: the tests' cache is a temporary one
 FAKE = Path(__file__).resolve().parents[1] / "fake_llama_server.py"

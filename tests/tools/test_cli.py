@@ -5,11 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_child as run  # the child-process runner (helpers.run drives the loop)
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
-
-from helpers import run_child as run  # the child-process runner (helpers.run drives the loop)
 
 
 def cli(*args, input=None):
@@ -151,9 +150,10 @@ def test_missing_model_exit_2(tmp_path, capsys):
 
 
 def test_incompatible_draft_exit_2(tiny_dirs, tmp_path, capsys):
-    from tiny import tiny_model
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny import tiny_model
     target, _ = tiny_dirs
     other = tmp_path / "other"
     tiny_model(3, vocab_size=3).save_pretrained(other)

@@ -42,7 +42,8 @@ def readme_problems(text: str) -> list[str]:
     if len(lines) - (lines[-1] == "") > MAX_README_LINES:
         problems.append(f"{len(lines)} lines, more than {MAX_README_LINES}")
     fence = next((i for i, line in enumerate(lines) if line.startswith("```")), None)
-    if fence is None or lines[fence] != "```bash" or any(line.strip() for line in lines[1:fence] if not line.startswith("#")):
+    if fence is None or lines[fence] != "```bash" or any(
+            line.strip() for line in lines[1:fence] if not line.startswith("#")):
         problems.append("the first thing after the title must be the ```bash block of the set-up commands")
         return problems
     first, second = lines[fence + 1], lines[fence + 2]
@@ -189,7 +190,8 @@ SRC_PATH = re.compile(r"src/specdecode/[\w/]+\.py")
 
 
 def test_source_paths_in_the_docs_exist():
-    missing = [f"{rel(p)}: {m}" for p in doc_files() for m in SRC_PATH.findall(p.read_text()) if not (ROOT / m).exists()]
+    missing = [f"{rel(p)}: {m}" for p in doc_files() for m in SRC_PATH.findall(p.read_text())
+               if not (ROOT / m).exists()]
     assert missing == []
 
 
@@ -363,7 +365,8 @@ def synopses(text: str) -> dict[str, str]:
 def parser_options(command: str) -> dict[str, argparse.Action]:
     from specdecode.cli import build_parser
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {o: a for a in sub.choices[command]._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    return {o: a for a in sub.choices[command]._actions for o in a.option_strings
+            if o.startswith("--") and o != "--help"}
 
 
 def synopsis_problems(command: str, text: str) -> list[str]:
@@ -386,5 +389,6 @@ def test_the_synopsis_in_the_methods_guide_matches_the_parser(command):
 def test_the_synopsis_check_fails_on_a_missing_or_made_up_option():
     text = (DOCS / "guide" / "methods.md").read_text()
     assert synopsis_problems("generate", text.replace("[--exact]", "")) == ["generate: --exact missing"]
-    assert synopsis_problems("index", text.replace("--out DIR", "--out DIR [--no-such]")) == ["index: --no-such is not an option"]
+    assert synopsis_problems("index", text.replace("--out DIR", "--out DIR [--no-such]")) == [
+        "index: --no-such is not an option"]
     assert synopsis_problems("generate", text.replace("auto|torch|llama.cpp", "auto|torch"))

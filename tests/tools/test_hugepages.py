@@ -46,7 +46,8 @@ def test_no_restart_without_glibc_tunable(monkeypatch, madvise_glibc):
 
 
 def test_peers_get_the_users_environment(monkeypatch):
-    assert hugepages.user_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", hugepages.BEFORE: "", "A": "1"}) == {"A": "1"}
+    env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", hugepages.BEFORE: "", "A": "1"}
+    assert hugepages.user_env(env) == {"A": "1"}
     assert hugepages.user_env({"GLIBC_TUNABLES": "x=1:glibc.malloc.hugetlb=1", hugepages.BEFORE: "x=1"}) == {
         "GLIBC_TUNABLES": "x=1"}
     assert hugepages.user_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == {  # the user's own: kept
@@ -113,7 +114,9 @@ def test_only_the_command_restarts_at_import(argv, command):
 
 
 @pytest.mark.process
-@pytest.mark.skipif(hugepages.restart_argv({}) is None, reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, or no glibc >= 2.35): the command has nothing to restart for")
+@pytest.mark.skipif(hugepages.restart_argv({}) is None,
+                    reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, or "
+                           "no glibc >= 2.35): the command has nothing to restart for")
 @pytest.mark.parametrize("command", [["-m", "specdecode"], ["-m", "specdecode.cli"]])
 def test_the_command_restarts_itself(tmp_path, command):
     """`python -m specdecode` ends in a process that asked for huge pages: an atexit hook (sitecustomize) prints the

@@ -41,8 +41,8 @@ def duplicates(text: str) -> list[str]:
 def test_duplicates_finds_a_second_row_of_a_benchmark_on_a_machine():
     page = ("## Served\n\n| benchmark | run | date | machine |\n|---|---|---|---|\n"
             "| 16 prompts | c = 1 | 2026-12-06 | Intel Xeon |\n| 16 prompts | c = 8 | 2026-12-05 | AMD EPYC |\n"
-            "| 16  Prompts | c = 4 | 2026-12-05 | intel xeon |\n\n## Other\n\n| benchmark | date | machine |\n|---|---|---|\n"
-            "| 16 prompts | 2026-12-01 | Intel Xeon |\n")
+            "| 16  Prompts | c = 4 | 2026-12-05 | intel xeon |\n\n"
+            "## Other\n\n| benchmark | date | machine |\n|---|---|---|\n| 16 prompts | 2026-12-01 | Intel Xeon |\n")
     assert duplicates(page) == ["Served: ('16 prompts', 'intel xeon') on 2026-12-06 and on 2026-12-05"]
 
 

@@ -8,14 +8,19 @@ import httpx
 import pytest
 import torch
 
-from specdecode.loadtest.client import (first_difference, greedy_mismatches, level_rows, measure_server, percentile,
-                                      run_level_async)
+from helpers import LiveServer
+from specdecode.cli import main
 from specdecode.launch.llama_server import find_binary
 from specdecode.launch.servers import llama_cpp_server_missing, peer_argv
-from specdecode.cli import main
+from specdecode.loadtest.client import (
+    first_difference,
+    greedy_mismatches,
+    level_rows,
+    measure_server,
+    percentile,
+    run_level_async,
+)
 from specdecode.server import create_app, engine_lock
-
-from helpers import LiveServer
 
 MODEL = "tiny"
 
@@ -118,8 +123,10 @@ def test_llama_server_peer_command(tmp_path):
     assert plain[:3] == ["ls", "-m", str(gguf)] and "--spec-type" not in plain
     flags = " ".join(plain)
     assert "-t 2 -tb 2 -np 4 -kvu -c 16384" in flags and "--host 127.0.0.1 --port 1234" in flags
-    assert " ".join(peer_argv("llama-server-draft", **kw)).endswith(f"--spec-type draft-simple -md {draft} -td 2 -tbd 2")
-    assert " ".join(peer_argv("llama-server-ngram", **kw)).endswith("-np 4 -kvu -c 16384 --no-webui --spec-type ngram-mod")
+    assert " ".join(peer_argv("llama-server-draft", **kw)).endswith(
+        f"--spec-type draft-simple -md {draft} -td 2 -tbd 2")
+    assert " ".join(peer_argv("llama-server-ngram", **kw)).endswith(
+        "-np 4 -kvu -c 16384 --no-webui --spec-type ngram-mod")
     assert " ".join(peer_argv("llama-server-ngram-simple", **kw)).endswith(
         "--no-webui --spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 16")
     assert " ".join(peer_argv("llama-server-ngram-simple-64", **kw)).endswith("--spec-ngram-simple-size-m 64")
@@ -223,6 +230,7 @@ def test_rss_of_a_process_tree_and_the_sampler():
     import time
 
     import psutil
+
     from specdecode.loadtest.procmem import MemorySampler, rss_bytes
     _proc_rss = lambda pid: psutil.Process(pid).memory_info().rss  # noqa: E731  (the process alone)
     child = "x = b'x' * (96 << 20); import time; time.sleep(60)"  # 96 MiB touched: resident
@@ -304,7 +312,8 @@ def test_llama_cpp_python_server_as_a_reference_peer(tmp_path, capsys):
     assert "| llama-cpp-python | 2 | 3/3 |" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="psutil's thread ids are the threads' native ids on Linux only (Mach ids on macOS)")
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="psutil's thread ids are the threads' native ids on Linux only (Mach ids on macOS)")
 def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     """Per-thread CPU over a round: the `compute` busiest threads apart from the others (new threads from zero;
     an ended thread's time is kept in the processes' total)."""

@@ -89,7 +89,8 @@ def test_the_scanner_reads_comments_and_docstrings_only():
         "m.py:1: names a machine (Xeon): \"\"\"Module docstring, measured on a Xeon.\"\"\"",
         "m.py:4: names a commit (e58bbcb): \"\"\"Measured at commit e58bbcb.\"\"\"",
         "m.py:5: names a machine (H200): # on an H200"]
-    assert findings({"s.sh": "#!/bin/sh\necho $# # Zen 4 run\n"}, {}) == ["s.sh:2: names a machine (Zen 4): # Zen 4 run"]
+    shell = "#!/bin/sh\necho $# # Zen 4 run\n"
+    assert findings({"s.sh": shell}, {}) == ["s.sh:2: names a machine (Zen 4): # Zen 4 run"]
     allowed = {("m.py", "Xeon"): "r", ("m.py", "e58bbcb"): "r", ("m.py", "H200"): "r", ("m.py", "EPYC"): "stale"}
     assert findings({"m.py": text}, allowed) == ["m.py: allowed 'EPYC' is no longer named"]
 

@@ -5,14 +5,20 @@ import random
 import numpy as np
 import pytest
 
+from helpers import CHEAP
 from specdecode import Engine, SpecDecodeError, builders
-from specdecode.drafters import (Datastore, History, Lookup, NgramIndex, build_datastore, index_files,
-                                  tokenizer_fingerprint)
+from specdecode.drafters import (
+    Datastore,
+    History,
+    Lookup,
+    NgramIndex,
+    build_datastore,
+    index_files,
+    tokenizer_fingerprint,
+)
 from specdecode.drafters.lookup import continuation_tree
 from specdecode.drafters.sources import SEP
-from helpers import CHEAP
 from tiny import byte_tokenizer, tiny_model
-
 
 # ============================================================= brute force
 

@@ -172,7 +172,7 @@ def test_p_equal_q_always_accepts_all(seed):
 
 
 def test_batch_rows_with_different_acceptance_counts():
-    V, gamma = 5, 3
+    V = 5
     draft = torch.tensor([
         [1, 2, 3],  # all accepted -> bonus
         [1, 2, 0],  # rejected at position 2
@@ -194,7 +194,6 @@ def test_batch_rows_with_different_acceptance_counts():
 
 def test_batch_rows_use_their_own_distributions():
     # row 0: p == q (accept everything); row 1: disjoint (never accept)
-    V, gamma = 4, 2
     p = torch.tensor([
         [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0], [0, 0, 0, 1.0]],
         [[0, 0, 0.5, 0.5], [0, 0, 0.5, 0.5], [1.0, 0, 0, 0]],

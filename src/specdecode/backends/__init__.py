@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 _EXPORTS = {"LM": ".base", "CachedLM": ".torch_lm",
             **dict.fromkeys(("BUILTIN", "DEFAULT_DRAFT", "DEFAULT_TARGET", "ChunkedGGUF", "as_lm", "assemble",
-                             "cache_dir", "check_draft_vocab", "converted", "gguf_tokenizer", "load_draft_lm", "load_lm",
-                             "load_model", "load_tokenizer", "resolve_backend", "torch_copy_bytes",
+                             "cache_dir", "check_draft_vocab", "converted", "gguf_tokenizer", "load_draft_lm",
+                             "load_lm", "load_model", "load_tokenizer", "resolve_backend", "torch_copy_bytes",
                              "torch_threads_for"), ".loading"),
             # the llama.cpp subpackage's names that code outside backends/ uses (continuous batching's slots, the
             # llama-server build): importing this package loads none of llama.cpp's modules or bindings

@@ -140,8 +140,8 @@ class CachedLM(LM):
             if grown == len(new_ids):
                 self.cache_checked = True
             else:
-                raise SpecDecodeError(f"{type(self.model).__name__} did not use the KV cache it was given (the cache grew "
-                                      f"by {grown} entries for {len(new_ids)} tokens). specdecode needs "
+                raise SpecDecodeError(f"{type(self.model).__name__} did not use the KV cache it was given (the cache "
+                                      f"grew by {grown} entries for {len(new_ids)} tokens). specdecode needs "
                                       f"transformers>=5.24,<6, whose models take `cache=` (installed: "
                                       f"{transformers.__version__}), and a model that keeps its keys and values there")
         self.ids.extend(new_ids)
@@ -211,7 +211,8 @@ class CachedLM(LM):
                 hidden[row + a] = 0
                 a = parents[a - start] if a >= start else self.parent[a - trunk]
         mask = torch.zeros(n, total, dtype=self.dtype)
-        mask[:, trunk:].masked_fill_(torch.frombuffer(hidden, dtype=torch.bool).view(n, width), torch.finfo(self.dtype).min)
+        hidden_mask = torch.frombuffer(hidden, dtype=torch.bool).view(n, width)
+        mask[:, trunk:].masked_fill_(hidden_mask, torch.finfo(self.dtype).min)
         return {"attention_mask": mask[None, None].to(self.device),  # [1, 1, n, total]: additive
                 "position_ids": torch.tensor([positions], dtype=torch.long, device=self.device)}
 

@@ -17,7 +17,8 @@ _EXPORTS = {
     **dict.fromkeys(("BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "_is", "hf_assisted"), ".peers"),
     **dict.fromkeys(("plot_acceptance", "plot_speedup", "report", "write_outputs"), ".report"),
     **dict.fromkeys(("check_methods", "default_methods", "needs_draft_model", "parse_methods", "run_bench"), ".run"),
-    **dict.fromkeys(("alpha_from_counts", "analytic_bound", "cost_model_bound", "decode_rate", "summarize"), ".summary"),
+    **dict.fromkeys(("alpha_from_counts", "analytic_bound", "cost_model_bound", "decode_rate", "summarize"),
+                    ".summary"),
 }
 
 __all__ = ["BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "hf_assisted", "plot_acceptance", "plot_speedup",

@@ -28,7 +28,8 @@ def _speed_cells(r: dict) -> str:
     vs = r.get("vs_llama_cpp") or {}
     return (f"{_f(r.get('ttft_s'), '{:.3f}')} | {_f(r.get('decode_tokens_per_second'))} | "
             f"{_f(r.get('tokens_per_second'))} | {_f(r.get('decode_speedup'), '{:.2f}x')} | "
-            f"{_f(r.get('speedup'), '{:.2f}x')} | {_f(vs.get('overall'), '{:.2f}x')} | {_f(vs.get('decode'), '{:.2f}x')}")
+            f"{_f(r.get('speedup'), '{:.2f}x')} | {_f(vs.get('overall'), '{:.2f}x')} | "
+            f"{_f(vs.get('decode'), '{:.2f}x')}")
 
 
 def report(results: dict) -> str:
@@ -46,12 +47,14 @@ def _head(results: dict) -> list[str]:
     lines = ["# specdecode bench\n",
              f"{cfg['prompts']} prompts, max_new_tokens={cfg['max_new_tokens']}, gamma={cfg['gamma']}, "
              f"temperature={cfg['temperature']}, {cfg.get('backend', 'torch')} backend on {cfg['device']}: target "
-             f"{cfg.get('target', '?')} ({cfg['dtype']}), draft {cfg.get('draft') or '–'} ({cfg.get('draft_dtype') or '–'}), "
+             f"{cfg.get('target', '?')} ({cfg['dtype']}), draft {cfg.get('draft') or '–'} "
+             f"({cfg.get('draft_dtype') or '–'}), "
              f"{cfg.get('threads', cfg['torch_threads'])} threads\n",
              f"CPU: {cfg.get('cpu', 'n/a')}\n",
              *([f"Memory: {cfg['memory']}\n"] if cfg.get("memory") else []),
              *([f"Lookup sources: datastore {cfg['datastore']} ({cfg['datastore_tokens']:,} tokens)"
-                + (f"; history {cfg['history_tokens']:,} tokens per method" if cfg.get("history_tokens") else "") + "\n"]
+                + (f"; history {cfg['history_tokens']:,} tokens per method" if cfg.get("history_tokens") else "")
+                + "\n"]
                if cfg.get("datastore") else [f"Lookup sources: history {cfg['history_tokens']:,} tokens per method\n"]
                if cfg.get("history_tokens") else []),
              *([f"Draft output layer: {cfg['draft_vocab']:,} rows (FR-Spec)\n"] if cfg.get("draft_vocab") else []),
@@ -144,8 +147,9 @@ def _turns(results: dict) -> list[str]:
                   "|---" * (2 * len(turns) + 1) + "|"]
         for m, r in results["methods"].items():
             bt = r.get("by_turn", {})
-            lines.append(f"| {m} | " + " | ".join(f"{_f(bt.get(t, {}).get('tokens_per_second'))} | "
-                                                  f"{_f(bt.get(t, {}).get('mean_accepted_tokens'))}" for t in turns) + " |")
+            cells = (f"{_f(bt.get(t, {}).get('tokens_per_second'))} | {_f(bt.get(t, {}).get('mean_accepted_tokens'))}"
+                     for t in turns)
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -167,7 +171,8 @@ def _pass_costs(results: dict) -> list[str]:
         if dq.get("one_token_s"):
             lines.append("\nDraft requantized for speed (the target decides every token): one-token draft pass, "
                          "as a share of a target pass (c): " + ", ".join(
-                             f"{n} ({dq['file_type'].get(n, n)}) {s / costs['target_s_1']:.2f}" + (" ← chosen" if n == dq["chosen"] else "")
+                             f"{n} ({dq['file_type'].get(n, n)}) {s / costs['target_s_1']:.2f}"
+                             + (" ← chosen" if n == dq["chosen"] else "")
                              for n, s in dq["one_token_s"].items()))
     return lines
 
@@ -177,12 +182,15 @@ def _auto(results: dict) -> list[str]:
     lines: list[str] = []
     auto = results["methods"].get("auto")
     if auto and auto.get("strategies"):
+        predicted = auto.get("predicted_speedup")
+        ratio = auto["speedup"] / predicted if auto["speedup"] and predicted else None
         lines += ["\n## auto\n", "| steps by strategy | expected tokens per pass | realised (τ) | "
-                  "predicted speedup (cost model) | realised speedup | realised / predicted |", "|---|---|---|---|---|---|",
+                  "predicted speedup (cost model) | realised speedup | realised / predicted |",
+                  "|---|---|---|---|---|---|",
                   f"| {', '.join(f'{k} {v}' for k, v in auto['strategies'].items())} | "
                   f"{_f(auto.get('expected_tokens_per_pass'))} | {_f(auto['mean_accepted_tokens'])} | "
                   f"{_f(auto.get('predicted_speedup'), '{:.2f}x')} | {_f(auto['speedup'], '{:.2f}x')} | "
-                  f"{_f(auto['speedup'] / auto['predicted_speedup'] if auto['speedup'] and auto.get('predicted_speedup') else None, '{:.0%}')} |"]
+                  f"{_f(ratio, '{:.0%}')} |"]
         bc = {c: v for c, v in auto.get("by_category", {}).items() if "predicted_speedup" in v}
         if bc:
             lines += ["\n### auto by category: predicted against realised\n",
@@ -194,7 +202,8 @@ def _auto(results: dict) -> list[str]:
                       "|---" * 8 + "|"]
             for c, v in bc.items():
                 pred, dec = v.get("predicted_speedup"), v.get("decode_speedup")
-                lines.append(f"| {c} | {', '.join(f'{k} {n}' for k, n in (v.get('strategies') or {}).items()) or '–'} | "
+                steps = ", ".join(f"{k} {n}" for k, n in (v.get("strategies") or {}).items()) or "–"
+                lines.append(f"| {c} | {steps} | "
                              f"{_f(v.get('expected_tokens_per_pass'))} | {_f(v.get('mean_accepted_tokens'))} | "
                              f"{_f(pred, '{:.2f}x')} | {_f(dec, '{:.2f}x')} | {_f(v.get('speedup'), '{:.2f}x')} | "
                              f"{_f(dec / pred if dec and pred else None, '{:.0%}')} |")
@@ -257,7 +266,8 @@ def plot_speedup(results: dict, path: Path) -> None:
     ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))], groups, rotation=20 if cats else 0)
     ax.set_ylabel("speedup vs autoregressive (×, tokens/s ratio)")
     cfg = results["config"]
-    ax.set_title(f"Speedup, {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, γ={cfg['gamma']}, T={cfg['temperature']}")
+    ax.set_title(f"Speedup, {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, γ={cfg['gamma']}, "
+                 f"T={cfg['temperature']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

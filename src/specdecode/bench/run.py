@@ -13,6 +13,7 @@ from ..errors import SpecDecodeError
 from ..host import cpu_description
 from ..launch.describe import hugepages_status
 from ..methods import BASELINE, DEFAULT_GAMMA, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
+from ..request import Request
 from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
 from .server_peer import SERVER_PEERS, close_peers, make_server_peers
 from .summary import decode_rate, summarize
@@ -58,7 +59,8 @@ def check_methods(engine: Engine, methods: list[str]) -> None:
 
 def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = DEFAULT_GAMMA,
               max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = 0, progress: bool = True,
-              tree: dict | None = None, llama_server: str | None = None, log_dir: str | Path = "bench-out/logs") -> dict:
+              tree: dict | None = None, llama_server: str | None = None,
+              log_dir: str | Path = "bench-out/logs") -> dict:
     """tree: tree_width/tree_depth/tree_nodes for method tree (unset: chosen by its cost model). llama_server:
     the binary the llama-server peers launch (default: the cached build), its logs in log_dir."""
     greedy, tree = temperature == 0, tree or {}
@@ -189,12 +191,12 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
                 "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None,
                 "tree_depth": None, "expected_tokens": None, "planned_passes": None, "modelled_s": None,
                 "strategies": None, "sources": None}
-    g = engine.generate(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed, prediction=p.get("prediction"),
-                        **(tree or {} if _is(method, "tree_options") else {}))
+    g = engine.open(Request(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
+                            temperature=temperature, seed=seed, prediction=p.get("prediction"),
+                            **(tree or {} if _is(method, "tree_options") else {}))).run()
     s = g.stats
-    return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s, "sources": s.sources,
-            "engine": s.engine,
+    return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
+            "sources": s.sources, "engine": s.engine,
             "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,
             "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
             "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,

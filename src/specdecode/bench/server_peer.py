@@ -1,15 +1,15 @@
 """llama.cpp's own `llama-server` as a single-stream peer of `specdecode bench`: what its
 speculation does on the same prompts, GGUF files and threads, next to ours.
 
-Peers: `llama-server` (plain), `llama-server-draft` (`--spec-type draft-simple -md DRAFT`: the draft GGUF our
-engine runs), `llama-server-ngram` (`--spec-type ngram-mod`), `llama-server-ngram-simple` (`--spec-type ngram-simple`, 16 deep; `-64`: 64 deep). One server per peer for the whole run, launched
-by launch/servers.py (the same command lines as `specdecode loadtest --launch`, one slot: `-np 1 -kvu`), stopped at
-the end. Each prompt goes to its native /completion as our engine's prompt token ids: greedy (temperature 0,
-top-k 1, no repetition penalty), streamed, `cache_prompt: false` (every run prefills, as ours do). TTFT is
-the first streamed token; the tokens are those the stream carries (the end-of-generation token included,
-as in our runs), their count the server's `tokens_predicted`. llama-server does not stream a token that
-ends mid-character on its own, so the token ids of such a run can lack one (its greedy agreement then
-counts as a difference; the count stays right).
+Peers: `llama-server` (plain), `llama-server-draft` (`--spec-type draft-simple -md DRAFT`: the draft GGUF our engine
+runs), `llama-server-ngram` (`--spec-type ngram-mod`), `llama-server-ngram-simple` (`--spec-type ngram-simple`, 16 deep;
+`-64`: 64 deep). One server per peer for the whole run, launched by launch/servers.py (the same command lines as
+`specdecode loadtest --launch`, one slot: `-np 1 -kvu`), stopped at the end. Each prompt goes to its native /completion
+as our engine's prompt token ids: greedy (temperature 0, top-k 1, no repetition penalty), streamed, `cache_prompt:
+false` (every run prefills, as ours do). TTFT is the first streamed token; the tokens are those the stream carries (the
+end-of-generation token included, as in our runs), their count the server's `tokens_predicted`. llama-server does not
+stream a token that ends mid-character on its own, so the token ids of such a run can lack one (its greedy agreement
+then counts as a difference; the count stays right).
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ class LlamaServerPeer:
         t = time.perf_counter()
         with http.stream("POST", self.url + "/completion", json=body, timeout=3600) as r:
             if r.status_code != 200:
-                raise SpecDecodeError(f"llama-server answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+                answer = r.read().decode(errors="replace")[:300]
+                raise SpecDecodeError(f"llama-server answered {r.status_code}: {answer}")
             for line in r.iter_lines():
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue

@@ -3,8 +3,8 @@ plain decoding from the same run, acceptance, the cost model's predictions and t
 from __future__ import annotations
 
 from ..methods import BASELINE
-from .peers import PEERS, _is
 from ..stats import decode_rate  # noqa: F401  (bench.decode_rate, as before)
+from .peers import PEERS, _is
 
 
 def analytic_bound(alpha: float, gamma: int, c: float) -> float:
@@ -34,7 +34,8 @@ class _Rows:
 
     def __init__(self, rows: list[dict], methods: list[str], config: dict):
         self.rows, self.config = rows, config
-        self.peer = "llama.cpp" if "llama.cpp" in methods and self.picked("llama.cpp") else None  # the yardstick of every ratio
+        # the yardstick of every ratio
+        self.peer = "llama.cpp" if "llama.cpp" in methods and self.picked("llama.cpp") else None
         fwd = self.total(BASELINE, "target_forwards")
         self.ar_step = self.total(BASELINE, "verify_s") / fwd if fwd else None  # one plain step, in seconds
         self.ar_ids = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == BASELINE}

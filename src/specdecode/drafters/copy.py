@@ -13,9 +13,9 @@ occurrence of the old name is guessed as the new one; where the output keeps the
 The value of a guess is a mixture of two explanations of the run of r tokens the output has just copied: the
 alignment is genuine (the output copies the reference, leaving it at an edit point with a per-token hazard h, this
 reference's breaks per copied token so far) or spurious (a chance match, which goes on with probability
-SPURIOUS_GO_ON a token). The run weighs them (Bayes, from the source's prior odds), and the j-th guess ahead is taken with
-P(genuine | r) (1 - h)^j + P(spurious | r) SPURIOUS_GO_ON^j. So a copy that re-synchronises after an edit point on a
-long common run is trusted at once as far as the reference's own record allows, a short match backs off, and a
+SPURIOUS_GO_ON a token). The run weighs them (Bayes, from the source's prior odds), and the j-th guess ahead is taken
+with P(genuine | r) (1 - h)^j + P(spurious | r) SPURIOUS_GO_ON^j. So a copy that re-synchronises after an edit point on
+a long common run is trusted at once as far as the reference's own record allows, a short match backs off, and a
 reference that is wrong from the start (another file) breaks often, its hazard grows, and it is soon not drafted from.
 
 A client's prediction is also re-synchronised on less evidence, tentatively: where the output's last 2 (or 1) tokens

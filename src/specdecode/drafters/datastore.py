@@ -216,5 +216,6 @@ def index_files(paths: list[str], tokenizer, out: str | Path, *, suffixes=TEXT_S
             bar.update(sum(f.stat().st_size for f in chunk))
         bar.close()
 
+    info = {"files": len(files), "tokenizer": getattr(tokenizer, "name_or_path", ""), **(info or {})}
     return build_datastore(docs(), out, tokenizer_fingerprint(tokenizer), vocab_size=vocab_size, progress=progress,
-                           info={"files": len(files), "tokenizer": getattr(tokenizer, "name_or_path", ""), **(info or {})})
+                           info=info)

@@ -12,7 +12,6 @@ from ..sampling import SamplingParams, argmax, probs_from_logits, sample
 from . import DRAFT_WINDOW  # (defined with the package: the command line's default, read without torch)
 from .base import Draft, fit_vocab
 
-
 CATCHUP_APART = 16  # a root pass feeding more tokens than this reads them first in a pass of their own (timed)
 
 

@@ -8,5 +8,5 @@ from .imports import MODEL_IMPORTS, import_frozen
 from .machine import cache_dir, cpu_description, cpu_name, memory_available, write_json
 from .threads import name_thread
 
-__all__ = ["MODEL_IMPORTS", "cache_dir", "cpu_description", "cpu_name", "import_frozen", "memory_available", "name_thread",
-           "restart_if_command", "user_env", "write_json"]
+__all__ = ["MODEL_IMPORTS", "cache_dir", "cpu_description", "cpu_name", "import_frozen", "memory_available",
+           "name_thread", "restart_if_command", "user_env", "write_json"]

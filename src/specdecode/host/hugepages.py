@@ -107,7 +107,8 @@ def user_env(environ=os.environ) -> dict:
 
 def status(environ=os.environ) -> str:
     """One line for reports: whether this process asked for huge pages, and the kernel's mode."""
-    setting = next((t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.hugetlb=")), "")
+    tunables = environ.get("GLIBC_TUNABLES", "").split(":")
+    setting = next((t for t in tunables if t.startswith("glibc.malloc.hugetlb=")), "")
     on = setting not in ("", "glibc.malloc.hugetlb=0")
     mode = _thp_mode() or "n/a"
     how = f"restarted with GLIBC_TUNABLES={TUNABLE}" if BEFORE in environ else f"{setting} set by the user"

@@ -95,7 +95,8 @@ def peer_argv(name: str, *, port: int, slots: int, threads: int, ctx: int, targe
             argv += ["--spec-type", "ngram-mod"]
         elif name.startswith("llama-server-ngram-simple"):
             deep = "64" if name.endswith("-64") else "16"
-            argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", deep]
+            argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
+                     "--spec-ngram-simple-size-m", deep]
         elif name != "llama-server":
             raise SpecDecodeError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
         return argv + list(extra)

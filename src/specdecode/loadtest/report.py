@@ -52,9 +52,10 @@ def markdown(results: dict) -> str:
                          f"| {_other_cpu(s)} |")
     lines += ["", "ITL: gaps between streamed text chunks (a chunk with several tokens counts once); TPOT: "
               "(last chunk - first chunk) / (tokens - 1) per request. Greedy mismatches: responses at this "
-              "concurrency whose text differs from the same prompt served alone (concurrency 1; a later round at concurrency 1 "
-              "is compared with the first). Server RSS: resident memory of a launched server and its child processes "
-              "before the round and its peak during it (sampled every 0.5 s); n/a for servers not launched here. "
+              "concurrency whose text differs from the same prompt served alone (concurrency 1; a later round at "
+              "concurrency 1 is compared with the first). Server RSS: resident memory of a launched server and its "
+              "child processes before the round and its peak during it (sampled every 0.5 s); n/a for servers not "
+              "launched here. "
               "Other threads' CPU: CPU time of a launched server's threads other than its busiest `--threads` "
               "(the decoding threads) over the round's load, per completion token: with as many cores as "
               "decoding threads, time taken from the decoding."]
@@ -66,7 +67,8 @@ def markdown(results: dict) -> str:
         for name, m in mismatches[:50]:
             lines.append(f"| {name} | {m['concurrency']} | {m['id']} | {m['at_char']} | {json.dumps(m['solo'])} "
                          f"| {json.dumps(m['got'])} |")
-    commands = [(name, c, cmd) for name, srv in results["servers"].items() for c, cmd in srv.get("commands", {}).items()]
+    commands = [(name, c, cmd) for name, srv in results["servers"].items()
+                for c, cmd in srv.get("commands", {}).items()]
     if commands:
         lines += ["", "## Commands", ""] + [f"- {name}, concurrency {c}: `{cmd}`" for name, c, cmd in commands]
     return "\n".join(lines) + "\n"
@@ -96,7 +98,8 @@ def like_for_like(results: dict) -> list[str]:
         seen, out = {}, {}
         for q in srv.get("requests", []):
             k = (q["concurrency"], q.get("round", 1), q["id"])
-            seen[k] = seen.get(k, -1) + 1  # a prompt sent again in a level (--requests past the prompts) is paired in order
+            # a prompt sent again in a level (--requests past the prompts) is paired in order
+            seen[k] = seen.get(k, -1) + 1
             if q.get("error") is None:
                 out[(*k, seen[k])] = q
         return out
@@ -111,7 +114,8 @@ def like_for_like(results: dict) -> list[str]:
                 per_level[k[0]] = (n + 1, a + ref["e2e_s"], b + q["e2e_s"])
         if per_level:
             out.append(f"{name}, requests of the same length as {first_name}'s: " + ", ".join(
-                f"c = {c}: {first_name} / {name} time {a / b:.3f} over {n}" for c, (n, a, b) in sorted(per_level.items())))
+                f"c = {c}: {first_name} / {name} time {a / b:.3f} over {n}"
+                for c, (n, a, b) in sorted(per_level.items())))
     return ["", *out] if out else []
 
 

@@ -14,8 +14,8 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from .calibration import Calibration  # noqa: F401  (re-exported)
 from ..host import cache_dir, cpu_name as _cpu_name, write_json  # _cpu_name: the old name, kept
+from .calibration import Calibration  # noqa: F401  (re-exported)
 
 # up to a followed copy's deepest chain (tree.MAX_COPY_DEPTH); every size is timed, within MEASURE_BUDGET_S: on tiled
 # kernels a bigger pass can cost less per token, even less in all, than a smaller one (docs/design/cost-model.md)
@@ -113,7 +113,8 @@ def _at_context(base: dict[int, float], longer: dict[int, dict[int, float]], n: 
     for c in sorted(longer):
         tab = longer[c]
         top = max(tab)
-        points.append((c, _interpolate(tab, n) if n <= top else here + _interpolate(tab, top) - _interpolate(base, top)))
+        at_c = _interpolate(tab, n) if n <= top else here + _interpolate(tab, top) - _interpolate(base, top)
+        points.append((c, at_c))
     if context <= CONTEXT:
         return here
     i = next((i for i in range(1, len(points)) if context <= points[i][0]), len(points) - 1)
@@ -134,7 +135,8 @@ def measure(lm, sizes, repeats: int = 3, progress=None, budget_s: float = MEASUR
     """Seconds of one pass over n new tokens after `context` cached ones: the fastest of `repeats`
     rounds (round-robin over the sizes, so a burst of noise does not hit one size only), kept as
     measured (a bigger pass may be cheaper: kernels work in tiles). Every size is timed, in order, until the
-    first round would spend more than budget_s / repeats seconds; the sizes past that are not measured (extrapolated)."""
+    first round would spend more than budget_s / repeats seconds; the sizes past that are not measured
+    (extrapolated)."""
     vocab = min(1000, lm.vocab_size)
     text = [(7 * i + 11) % vocab for i in range(context)]
     best: dict[int, float] = {}

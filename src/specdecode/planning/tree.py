@@ -27,13 +27,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .calibration import lookup_feature
-from .costs import CostModel
 from ..drafters import Draft
 from ..drafters.lookup import Guess, Lookup
-from .planner import (AUTO_MARGIN, MASS_COVER, MAX_DEPTH, MAX_NODES, MAX_WIDTH, TreeState, best_cut,  # noqa: F401
-                      chain_speedup, draft_model_can_pay, frontier_width, pays)
 from ..sampling import SamplingParams, probs_from_logits, sample
+from .calibration import lookup_feature
+from .costs import CostModel
+from .planner import (  # noqa: F401
+    AUTO_MARGIN,
+    MASS_COVER,
+    MAX_DEPTH,
+    MAX_NODES,
+    MAX_WIDTH,
+    TreeState,
+    best_cut,
+    chain_speedup,
+    draft_model_can_pay,
+    frontier_width,
+    pays,
+)
 
 MAX_LOOKUP_NODES = 24  # lookup guesses offered to the planner per source and step (it keeps those that pay)
 LONG_CATCHUP = 512  # unread tokens from which the draft model's catch-up waits for the generation's first tokens

@@ -4,7 +4,7 @@ into calls by split.py), the draft's requantization (quantize.py) and the check 
 (amx.py). llama-cpp-python's bindings are imported on first use only (lm._lib). Code outside backends/ reaches
 these names through specdecode.backends, never this package."""
 from .amx import NO_AMX_FLAGS
-from .batching import Lockstep, LlamaSlot, SharedContext, node_ids
+from .batching import LlamaSlot, Lockstep, SharedContext, node_ids
 from .lm import MAX_CTX, MAX_SEQ, N_BATCH, LlamaLM, available, default_threads
 from .split import plan_split, time_mixing
 

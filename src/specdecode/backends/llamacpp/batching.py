@@ -173,7 +173,8 @@ class SharedContext:
                                   f"slots, not {slots}")
         self.lm, self.lockstep, self.cost = lm, lockstep, cost
         self.per_cell = 0.0  # seconds a tiled call mixing generations spends per cell of the others (split.time_mixing)
-        self.observe: Callable[[int, float], None] | None = None  # told each call's size and seconds (planning.batch.CallCostTracker)
+        # told each call's size and seconds (planning.batch.CallCostTracker)
+        self.observe: Callable[[int, float], None] | None = None
         self.lock = threading.Lock()  # one llama.cpp call on this context at a time
         self.prefix_lock = threading.RLock()  # slots sharing their text (LlamaSlot.keep_prefix); taken before .lock
         cparams = type(lm._cparams).from_buffer_copy(lm._cparams)
