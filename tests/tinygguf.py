@@ -119,6 +119,7 @@ def exact_lm(path: Path, threads: int = 1):
     float32 rounding."""
     import llama_cpp
     import pytest
+
     from specdecode.backends.llamacpp import LlamaLM
     default_params = llama_cpp.llama_context_default_params
 

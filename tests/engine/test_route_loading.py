@@ -3,13 +3,13 @@ model, with a way to time it again."""
 from __future__ import annotations
 
 import pytest
-from tiny import build_engine
 
 from specdecode import routing
 from specdecode.cli import build_parser
 from specdecode.cli.load import load_kwargs
 from specdecode.errors import SpecDecodeError
 from specdecode.routing import Router
+from tiny import build_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 

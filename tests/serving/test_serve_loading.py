@@ -3,12 +3,12 @@ its replicas or refuses (none dropped)."""
 from __future__ import annotations
 
 import pytest
-from tiny import build_engine
 
 from specdecode import routing
 from specdecode.cli import build_parser, main
 from specdecode.cli.serve import load_served
 from specdecode.routing import Router
+from tiny import build_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 

@@ -144,8 +144,8 @@ class LM(Protocol):
         """The generation that began with keep_prefix has ended (a batch slot may then share its text with the other
         slots; the default does nothing)."""
 
-    # asked (a callable: True = stop) between the passes of a re-read of the cache where one is made anew (LlamaLM.reserve);
-    # the running generation's interrupt (prefill.interruptible), None between generations
+    # asked (a callable: True = stop) between the passes of a re-read of the cache where one is made anew
+    # (LlamaLM.reserve); the running generation's interrupt (prefill.interruptible), None between generations
     interrupt = None
 
     def reserve(self, n: int) -> None:

@@ -26,8 +26,8 @@ import torch
 
 from ...errors import EngineUnavailable, Interrupted, SpecDecodeError
 from .. import compute
-from .amx import amx_usable
 from ..base import LM, no_autograd
+from .amx import amx_usable
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence 0 is the trunk, so a tree pass holds at most 255 nodes
 N_BATCH = 512  # tokens per llama_decode call (a longer causal feed is split)
@@ -38,7 +38,8 @@ PARK = MAX_SEQ - 1  # exact mode: the sequence id that holds parked cells (seen 
 # count, so a big context slows every decode step (measured: docs/results/notes.md#code-first-ctx).
 FIRST_CTX = 4096
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
-               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+               32: "BF16"}
 
 
 def available() -> bool:
@@ -110,7 +111,8 @@ class LlamaLM(LM):
         if exact and f32_kv:
             raise SpecDecodeError("exact (flash attention on) and f32_kv (flash attention off) exclude each other")
         self.exact = bool(exact)
-        self.repack = repack = bool(repack) and amx_usable(self.path, lc)  # repacked (gemm per 4 tokens) unless AMX crashes
+        # repacked (gemm per 4 tokens) unless AMX crashes
+        self.repack = repack = bool(repack) and amx_usable(self.path, lc)
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.use_extra_bufts = repack
