@@ -111,8 +111,7 @@ class LlamaLM(LM):
         if exact and f32_kv:
             raise SpecDecodeError("exact (flash attention on) and f32_kv (flash attention off) exclude each other")
         self.exact = bool(exact)
-        # repacked (gemm per 4 tokens) unless AMX crashes
-        self.repack = repack = bool(repack) and amx_usable(self.path, lc)
+        self.repack = repack = bool(repack) and amx_usable(self.path, lc)  # gemm per 4 tokens, unless AMX crashes
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.use_extra_bufts = repack
