@@ -20,6 +20,7 @@ from .stats import Generation, Stats
 from .textstream import TextStream
 from .loop import speculative_decode
 from .prefill import Interrupt, cache_kept_for_reuse, interruptible, text_budget
+from .request import Encoded, Request
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 
@@ -198,13 +199,10 @@ class Engine:
         with tokenizer_lock(self.tokenizer):  # a server's handlers encode on their own copy (separate_encoder)
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def encode_prediction(self, prediction: str | tuple | None) -> tuple | None:
-        """A predicted output as the tokens it drafts from (no special tokens: it continues the prompt); a tuple of
-        token ids is what this returned already (a request tokenized once, opened again on another engine)."""
+    def encode_prediction(self, prediction: str | None) -> tuple | None:
+        """A predicted output as the tokens it drafts from (no special tokens: it continues the prompt)."""
         if prediction is None:
             return None
-        if isinstance(prediction, tuple) and all(isinstance(t, int) for t in prediction):
-            return prediction or None
         if not isinstance(prediction, str):
             raise InvalidField(f"prediction must be a string, got {type(prediction).__name__}", param="prediction")
         if not prediction:
@@ -212,7 +210,15 @@ class Engine:
         with tokenizer_lock(self.encoder):
             return tuple(self.encoder(prediction, add_special_tokens=False)["input_ids"])
 
+    def encode_request(self, request: Request) -> Encoded:
+        """The request checked (without models) and its prompt and prediction tokenized: the ids that every engine
+        sharing this tokenizer opens it with (a router's choice, a batch slot's engine)."""
+        self.check(**request.checked_fields())  # before tokenizing
+        prompt_ids = tuple(self.encode(request.prompt, request.chat))
+        return Encoded(request, prompt_ids, self.encode_prediction(request.prediction) or None)
+
     def generate(self, prompt: str | list[dict], **kwargs) -> Generation:
+        """The whole generation (stream's arguments)."""
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
             pass
@@ -223,7 +229,7 @@ class Engine:
                seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
                tree_width: int | None = None, tree_depth: int | None = None,
                tree_nodes: int | None = None, exact: bool | None = None, history=None,
-               cache_scope: str = "", prediction: str | None = None) -> "TextStream":
+               cache_scope: str = "", prediction: str | None = None) -> TextStream:
         """An iterator of text deltas (never splitting a character or leaking a stop string);
         after it is exhausted, .result holds the Generation.
 
@@ -243,40 +249,45 @@ class Engine:
         forced output. The methods that draft from lookup sources (auto, lookup, tree) and pld follow it through
         the output's edits (drafters/copy.py); stats.sources["prediction"] counts its drafted and accepted tokens,
         stats.accepted/rejected_prediction_tokens OpenAI's usage fields (prediction.py), counted at the end."""
-        params = self.check(method=method, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_k=top_k, top_p=top_p, stop=stop, tree_width=tree_width, tree_depth=tree_depth,
-                            tree_nodes=tree_nodes)
-        prompt_ids = self.encode(prompt, chat)  # validated before any expensive setup (cost measurement)
-        exact = (self.exact and params.greedy) if exact is None else exact  # the Engine's default: greedy requests
+        return self.open(Request(prompt, method=method, gamma=gamma, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, chat=chat,
+                                 tree_width=tree_width, tree_depth=tree_depth, tree_nodes=tree_nodes, exact=exact,
+                                 history=history, cache_scope=cache_scope, prediction=prediction))
+
+    def open(self, request: Request | Encoded) -> TextStream:
+        """The request as a stream, checked and set up but not started (stream() says what each field does). An
+        Encoded request (encode_request, on an engine with the same tokenizer) is not tokenized again."""
+        encoded = request if isinstance(request, Encoded) else self.encode_request(request)
+        r = encoded.request
+        params = self.check(**r.checked_fields())
+        exact = (self.exact and params.greedy) if r.exact is None else r.exact  # the Engine's: greedy requests
         if exact and not params.greedy:
             raise InvalidField("exact mode is for greedy decoding (temperature 0); sampling is exact in distribution",
                                param="exact")
         limits = self.exact_limits() if exact else None
-        m = METHOD_TABLE[method]
-        request = DraftRequest(gamma, params, tree_width, tree_depth, tree_nodes, max_new_tokens,
-                               self.history if history is None else history, tuple(prompt_ids),
-                               self.encode_prediction(prediction))
-        drafter = m.make_drafter(self.parts(), request)
-        stop_ids = self._stop_ids(stop)
+        m = METHOD_TABLE[r.method]
+        prompt_ids = list(encoded.prompt_ids)
+        draft_request = DraftRequest(r.gamma, params, r.tree_width, r.tree_depth, r.tree_nodes, r.max_new_tokens,
+                                     self.history if r.history is None else r.history, encoded.prompt_ids,
+                                     encoded.prediction_ids)
+        drafter = m.make_drafter(self.parts(), draft_request)
+        stop_ids = self._stop_ids(r.stop)
         generator = torch.Generator()
-        if seed is None:
+        if r.seed is None:
             generator.seed()  # nondeterministic, and leaves torch's global RNG alone
         else:
-            generator.manual_seed(seed)
-        stats, depth_cap = self._stats(m, drafter, request, len(prompt_ids), limits)
-        scope = cache_scope if self.prompt_cache and limits is None else None  # exact: plain decoding's own prefill
+            generator.manual_seed(r.seed)
+        stats, depth_cap = self._stats(m, drafter, draft_request, len(prompt_ids), limits)
+        scope = r.cache_scope if self.prompt_cache and limits is None else None  # exact: plain decoding's prefill
         interrupt = Interrupt()  # the stream's interrupt, asked while the prompt is read too
         steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
-                                   max_new_tokens=max_new_tokens, eos_ids=self.eos_ids | stop_ids,
+                                   max_new_tokens=r.max_new_tokens, eos_ids=self.eos_ids | stop_ids,
                                    generator=generator, stats=stats, exact=limits, scope=scope, interrupt=interrupt)
         draft = self.draft_model if m.needs_draft_model != NO else None
-        budget = text_budget(self.target, len(prompt_ids), max_new_tokens,
+        budget = text_budget(self.target, len(prompt_ids), r.max_new_tokens,
                              limits is not None or getattr(self.target, "exact", False))
-        out = TextStream(self, self._surrounded(steps, request.history, limits, scope, interrupt, draft, budget), stats,
-                         [stop] if isinstance(stop, str) else list(stop or []), interrupt)
-        out.prompt_ids, out.cache_scope = prompt_ids, scope  # where a server runs it: a slot that holds its start
-        out.prediction_ids = request.prediction_ids  # tokenized once: a slot's or a router's stream reuses them
-        return out
+        around = self._surrounded(steps, draft_request.history, limits, scope, interrupt, draft, budget)
+        return TextStream(self, around, stats, r.stops, interrupt, encoded=encoded, cache_scope=scope)
 
     def _stop_ids(self, stop) -> set[int]:
         """A stop string that is a special token never shows in the decoded text: the ids to stop on."""

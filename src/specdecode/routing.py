@@ -27,8 +27,9 @@ from .backends import compute, torch_copy_bytes
 from .engine import Engine
 from .errors import InvalidField, SpecDecodeError
 from .host import cache_dir, memory_available, write_json
-from .methods import DEFAULT_GAMMA, METHOD_TABLE
+from .methods import METHOD_TABLE, get_method
 from .planning.costs import machine_key
+from .request import Request
 
 FLAT_RATIO = 1.5  # torch joins where a 16-row bf16 product costs at most this many 1-row ones
 COPY_ALPHA = 0.95  # per-token acceptance a request with a prediction is planned with (an edit: a few edit points)
@@ -166,32 +167,35 @@ class Router:
     def stream(self, prompt, engine: str | None = None, **kwargs):
         """Engine.stream's arguments; `engine` pins the engine that runs it (default: the one predicted to end
         first)."""
-        method = kwargs.get("method", "auto")
+        return self.open(Request(prompt, engine=engine, **kwargs))
+
+    def open(self, request: Request):
+        """The request opened on the engine it should run on, tokenized once by the first engine (they share its
+        tokenizer): the choice reads those ids, and the engine chosen opens them."""
         first = next(iter(self.engines))
-        exact = kwargs.get("exact") or (kwargs.get("exact") is None and self.primary.exact)
-        on_first = exact or not METHOD_TABLE[method].routable
-        if engine is not None:
-            if engine not in self.engines:
-                raise InvalidField(f"engine {engine!r} is not loaded here; the engines are "
+        exact = request.exact or (request.exact is None and self.primary.exact)
+        on_first = exact or not get_method(request.method).routable
+        pinned = request.engine
+        if pinned is not None:
+            if pinned not in self.engines:
+                raise InvalidField(f"engine {pinned!r} is not loaded here; the engines are "
                                    f"{' and '.join(map(repr, self.engines))}", param="engine")
-            if on_first and engine != first:
-                why = "exact mode" if exact else f"method {method!r}"
-                raise InvalidField(f"engine {engine!r} cannot run {why}, which runs on {first!r} only", param="engine")
-        name = engine or first
-        if engine is None and not on_first and len(self.engines) > 1:
-            prompt_ids = self.primary.encode(prompt, kwargs.get("chat", False))
-            prediction = self.primary.encode_prediction(kwargs.get("prediction"))
-            if prediction:  # the engine chosen drafts from these tokens: the text is tokenized once
-                kwargs["prediction"] = prediction
+            if on_first and pinned != first:
+                why = "exact mode" if exact else f"method {request.method!r}"
+                raise InvalidField(f"engine {pinned!r} cannot run {why}, which runs on {first!r} only", param="engine")
+        encoded = self.primary.encode_request(request)
+        name = pinned or first
+        if pinned is None and not on_first and len(self.engines) > 1:
+            prediction = encoded.prediction_ids
             # priced by what the request is expected to write, not by max_new_tokens: the cap must not move a request
             # to the other engine, whose greedy text can differ at near-ties
-            drafts = METHOD_TABLE[method].drafts and bool(prediction)
+            drafts = METHOD_TABLE[request.method].drafts and bool(prediction)
             new = len(prediction) if prediction else DEFAULT_NEW
-            gamma = kwargs.get("gamma", DEFAULT_GAMMA) if METHOD_TABLE[method].uses_gamma else None  # pld: its depth
-            name = self.choose(len(prompt_ids), new, COPY_ALPHA if drafts else 0.0, gamma)
-        stream = self.engines[name].stream(prompt, **kwargs)
+            gamma = request.gamma if METHOD_TABLE[request.method].uses_gamma else None  # pld: its depth
+            name = self.choose(len(encoded.prompt_ids), new, COPY_ALPHA if drafts else 0.0, gamma)
+        stream = self.engines[name].open(encoded)
         if len(self.engines) > 1:
-            stream.steps = compute.steps_on(stream.steps)  # one OpenMP pool for both engines (backends/compute.py)
+            stream.wrap_steps(compute.steps_on)  # one OpenMP pool for both engines (backends/compute.py)
         stream.stats.engine = name
         self.choices[name] += 1
         return stream

@@ -7,6 +7,7 @@ from typing import Callable, Iterator
 
 from .errors import Interrupted
 from .prefill import Interrupt
+from .request import Encoded
 from .stats import Generation, Stats
 
 TAIL_TOKENS = 3  # a character still missing bytes has at most 3: made by at most the last 3 tokens
@@ -30,23 +31,56 @@ class TextStream:
     once: a tail that could start one is never sent, so none can begin in text sent earlier.
     """
 
-    def __init__(self, engine, steps: Iterator[list[int]], stats: Stats, stops: list[str], interrupt=None):
+    __slots__ = ("engine", "steps", "stats", "stops", "result", "encoded", "cache_scope", "_interrupt")
+
+    def __init__(self, engine, steps: Iterator[list[int]], stats: Stats, stops: list[str], interrupt=None, *,
+                 encoded: Encoded | None = None, cache_scope: str | None = None):
         """engine: what decodes ids to text (engine.decode); steps: the loop's committed ids, step by step;
-        interrupt: the prefill.Interrupt those steps ask between the prompt's passes (they raise Interrupted)."""
+        interrupt: the prefill.Interrupt those steps ask between the prompt's passes (they raise Interrupted);
+        encoded: the request it runs, tokenized (Engine.open); cache_scope: whose text the target's cache keeps for
+        reuse after it (None: no prompt cache)."""
         self.engine, self.steps, self.stats, self.stops = engine, steps, stats, stops
         self.result: Generation | None = None
-        self.prediction_ids: tuple | None = None  # the client's prediction: its usage fields are counted at the end
+        self.encoded, self.cache_scope = encoded, cache_scope
         self._interrupt = interrupt if interrupt is not None else Interrupt()
 
     @property
-    def interrupt(self) -> Callable[[], bool] | None:
-        """Checked after every step, whether or not it emitted text, and between the prompt's passes: True ends the
-        generation there (the server's cancellation and deadline); what was sent is then the result's text."""
-        return self._interrupt.check
+    def prompt_ids(self) -> tuple[int, ...]:
+        """The prompt's tokens (where a server runs it: the batch slot whose cache holds their start)."""
+        return self.encoded.prompt_ids if self.encoded is not None else ()
 
-    @interrupt.setter
-    def interrupt(self, check: Callable[[], bool] | None) -> None:
+    @property
+    def prediction_ids(self) -> tuple[int, ...] | None:
+        """The client's prediction, tokenized once: its usage fields are counted at the end."""
+        return self.encoded.prediction_ids if self.encoded is not None else None
+
+    def run(self) -> Generation:
+        """The whole generation: the stream read to its end, and its result."""
+        for _ in self:
+            pass
+        return self.result
+
+    def reopen(self, engine) -> "TextStream":
+        """The same request opened on another engine with the same tokenizer (a batch slot's), not tokenized again;
+        the engine named in its stats stays this one's."""
+        stream = engine.open(self.encoded)
+        stream.stats.engine = self.stats.engine
+        return stream
+
+    def wrap_steps(self, wrap: Callable[[Iterator[list[int]]], Iterator[list[int]]]) -> None:
+        """Run the loop's steps through `wrap` (it yields what it reads, and closes it): where they run, what
+        watches them."""
+        self.steps = wrap(self.steps)
+
+    def stop_when(self, check: Callable[[], bool] | None) -> None:
+        """Ask `check` after every step and between the prompt's passes: True ends the generation there (the
+        server's cancellation and deadline); what was sent is then the result's text."""
         self._interrupt.check = check
+
+    @property
+    def interrupt(self) -> Callable[[], bool] | None:
+        """What stop_when set (None: nothing)."""
+        return self._interrupt.check
 
     def __iter__(self) -> Iterator[str]:
         decode, stats = self.engine.decode, self.stats

@@ -231,7 +231,7 @@ def test_a_cancel_during_a_reread_ends_the_stream(gguf, monkeypatch):
     n = len(engine.encode(prompt))
     made, starts = _watched(monkeypatch, target)
     stream = engine.stream(prompt, method="autoregressive", max_new_tokens=target.max_length - n)
-    stream.interrupt = lambda: len(starts) >= 2  # the text began to be read again
+    stream.stop_when(lambda: len(starts) >= 2)  # the text began to be read again
     for _ in stream:
         pass
     assert len(made) == 2 and made[1] > n and starts == [0, 0]

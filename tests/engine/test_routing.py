@@ -2,6 +2,8 @@
 `--route` end to end on a tiny GGUF (llama.cpp and torch bf16 from the same file)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tiny import build_engine, char_tokenizer
 
@@ -73,27 +75,29 @@ def test_each_request_runs_whole_on_the_chosen_engine(router):
     assert short.token_ids == router.engines["steep"].generate("hi", max_new_tokens=20).token_ids
 
 
-def test_the_prediction_is_tokenized_once(router, monkeypatch):
-    """The router tokenizes it to price the request; the engine it chooses drafts from those tokens."""
+def test_the_prompt_and_the_prediction_are_tokenized_once(router, monkeypatch):
+    """The router tokenizes them to price the request; the engine it chooses drafts from those tokens."""
     texts = []
     for e in router.engines.values():
-        encode = e.encode_prediction
-        monkeypatch.setattr(e, "encode_prediction",
-                            lambda x, encode=encode: (texts.append(x) if isinstance(x, str) else None) or encode(x))
+        for name in ("encode", "encode_prediction"):
+            encode = getattr(e, name)
+            monkeypatch.setattr(e, name, lambda x, *a, encode=encode: texts.append(x) or encode(x, *a))
     old = "def add(a, b):\n    return a + b\n"
-    stream = router.stream("Rename add to plus:\n" + old, max_new_tokens=4, prediction=old)
-    assert texts == [old] and len(stream.prediction_ids) == len(old)  # one character a token
+    prompt = "Rename add to plus:\n" + old * 4
+    stream = router.stream(prompt, max_new_tokens=4, prediction=old)
+    assert stream.stats.engine == "flat"  # chosen on the ids, then opened on the other engine
+    assert sorted(texts) == sorted([prompt, old]) and len(stream.prediction_ids) == len(old)  # a character a token
 
 
 def test_exact_mode_and_draft_model_methods_stay_on_the_first_engine(router, monkeypatch):
     old = "x = 1\n" * 20
     assert router.generate(old, method="draft", max_new_tokens=10, prediction=old).stats.engine == "steep"
     calls = []
-    monkeypatch.setattr(router.engines["steep"], "stream",
-                        lambda prompt, **kw: calls.append(kw) or Engine.stream(router.engines["steep"], prompt,
-                                                                                **{**kw, "exact": None}))
+    steep = router.engines["steep"]
+    monkeypatch.setattr(steep, "open", lambda encoded: calls.append(encoded.request.exact) or Engine.open(
+        steep, dataclasses.replace(encoded, request=dataclasses.replace(encoded.request, exact=None))))
     router.stream(old, max_new_tokens=5, prediction=old, exact=True)
-    assert calls and calls[0]["exact"] is True  # pinned, and asked for exact mode
+    assert calls == [True]  # pinned, and asked for exact mode
 
 
 def test_the_router_answers_for_its_first_engine(router):
@@ -244,8 +248,6 @@ def test_a_request_can_pin_an_engine(router):
 
 
 def test_the_table_says_which_methods_the_router_moves(router, monkeypatch):
-    import dataclasses
-
     from specdecode.methods import METHOD_TABLE
     old = "def add(a, b):\n    return a + b\n" * 3
     prompt = "Rename add to plus:\n" + old * 3

@@ -193,6 +193,31 @@ def test_the_prediction_is_tokenized_once(live, encodings, answer, chat, stream)
     assert r.status_code == 200 and encodings == [answer]
 
 
+@pytest.mark.parametrize("method", ["pld", "auto"])
+def test_the_bodys_prediction_reaches_the_drafter_tokenized_once(live, engine, answer, monkeypatch, method):
+    """From the HTTP body to the drafter: the tokenizer reads the prompt and the prediction once each (whatever copy
+    of it the server encodes on), and the drafter gets those tokens."""
+    import dataclasses
+
+    from specdecode.methods import METHOD_TABLE
+    texts, drafted_from = [], []
+    tokenizer = type(engine.tokenizer)
+    call = tokenizer.__call__
+    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, *a, **kw: texts.append(text) or call(
+        self, text, *a, **kw))
+    build = METHOD_TABLE[method].build
+    monkeypatch.setitem(METHOD_TABLE, method, dataclasses.replace(
+        METHOD_TABLE[method], build=lambda parts, request: drafted_from.append(request.prediction_ids) or build(
+            parts, request)))
+    live.wait_idle()
+    body = {"model": MODEL, "max_tokens": 4, "prompt": "once", "speculation": {"method": method},
+            "prediction": {"type": "content", "content": answer}}
+    r = http.post(f"{live.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert sorted(texts) == sorted(["once", answer])
+    assert drafted_from == [tuple(call(engine.tokenizer, answer, add_special_tokens=False)["input_ids"])]
+
+
 def test_a_batch_slot_opens_the_request_again_without_tokenizing_the_prediction(engine, encodings, answer):
     """Where batch slots run requests, the slot's Engine opens the request again (stream.reopen): with its tokens."""
     import anyio

@@ -293,7 +293,7 @@ def test_a_long_prompts_read_stops_between_its_passes_when_interrupted(backend, 
     asked = []
     for method in ("autoregressive", "pld"):
         stream = engine.stream(prompt, method=method, max_new_tokens=8)
-        stream.interrupt = lambda: asked.append(len(engine.target)) or True  # the client is gone at once
+        stream.stop_when(lambda: asked.append(len(engine.target)) or True)  # the client is gone at once
         assert list(stream) == [] and stream.result.text == "" and stream.stats.new_tokens == 0
         assert asked and asked[-1] <= 512 and len(engine.target) <= 512  # one pass read, the rest never
     # negative control: nothing asked to stop, the prompt is read whole and the output is the one alone

@@ -532,13 +532,16 @@ class ControlledEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def stream(self, prompt, **kw):
-        return _ControlledStream(self._engine.stream(prompt, **kw), self)
+    def open(self, request):
+        return _ControlledStream(self._engine.open(request), self)
 
 
 class _ControlledStream:
     def __init__(self, inner, ctl):
         self.inner, self.ctl = inner, ctl
+
+    def __getattr__(self, name):  # the stream's other members (prediction_ids, stop_when, ...)
+        return getattr(self.inner, name)
 
     @property
     def stats(self):
@@ -997,7 +1000,7 @@ class _FailingStream(_ControlledStream):
 @pytest.mark.parametrize("how", ["raise", "unserializable"])
 def test_an_error_after_the_stream_began_ends_it_with_an_error_event(how):
     ctl = ControlledEngine(build_engine())
-    ctl.stream = lambda prompt, **kw: _FailingStream(ctl._engine.stream(prompt, **kw), ctl, how)
+    ctl.open = lambda request: _FailingStream(ctl._engine.open(request), ctl, how)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     try:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "stream": True}
@@ -1039,7 +1042,7 @@ ENGINE_FAULTS = [  # (the backend's error, after how many deltas, status, code):
 @pytest.mark.parametrize("error, after, status, code", ENGINE_FAULTS, ids=[f[3] + str(f[1]) for f in ENGINE_FAULTS])
 def test_an_engine_error_mid_generation_is_the_servers_fault_unless_the_clients(error, after, status, code):
     ctl = ControlledEngine(build_engine())
-    ctl.stream = lambda prompt, **kw: _RaisingStream(ctl._engine.stream(prompt, **kw), ctl, error, after)
+    ctl.open = lambda request: _RaisingStream(ctl._engine.open(request), ctl, error, after)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     try:
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}

@@ -229,3 +229,54 @@ def test_the_load_test_and_the_command_line_load_no_torch():
     for modules, loads_torch in ((light, False), (["specdecode.engine"], True)):
         out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=300)
         assert (out.returncode != 0) == loads_torch, out.stderr[-2000:]
+
+
+# A Stream's members that no other class of the package has: an assignment to one of them is an assignment to a Stream
+STREAM_ONLY = {"cache_scope", "encoded", "prediction_ids", "prompt_ids", "reopen", "stop_when", "wrap_steps",
+               "_interrupt"}
+
+
+def _names_a_stream(node: ast.expr) -> bool:
+    """`stream`, `out_stream`, `job.stream`, `self.stream`: an expression whose last name says it holds a stream."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return "stream" in name.lower()
+
+
+def stream_attributes_set(source: str) -> list[str]:
+    """Each place in `source` that sets an attribute on a Stream: `<a stream>.x = ...` (also augmented, annotated,
+    unpacked), `<anything>.<a member only a Stream has> = ...`, and `setattr(<a stream>, ...)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                if isinstance(t, ast.Attribute) and (_names_a_stream(t.value) or t.attr in STREAM_ONLY):
+                    found.append(f"{node.lineno}: {ast.unparse(t)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and _names_a_stream(node.args[0]):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_stream_check_finds_attributes_set_from_outside():
+    assert sorted(stream_attributes_set("stream.steps = wrap(stream.steps)\njob.stream.interrupt = f\n"
+                                        "out.prompt_ids, out.cache_scope = ids, scope\nsetattr(stream, 'reopen', f)\n"
+                                        "s.encoded += 1\n")) == [
+        "1: stream.steps", "2: job.stream.interrupt", "3: out.cache_scope", "3: out.prompt_ids",
+        "4: setattr(stream, 'reopen', f)", "5: s.encoded"]
+    assert stream_attributes_set("job.stream = job.stream.reopen(engine)\nstream.stats.engine = name\n"
+                                 "self.engine = engine\nstream.wrap_steps(f)\n") == []
+
+
+def test_nothing_outside_the_stream_class_sets_an_attribute_on_a_stream():
+    """The Stream (textstream.TextStream) declares what it carries (__slots__: nothing else can be set on one) and
+    changes only through its own methods (reopen, wrap_steps, stop_when); no module sets its attributes from outside."""
+    from specdecode.stats import Stats
+    from specdecode.textstream import TextStream
+    assert not hasattr(TextStream(None, iter(()), Stats(), []), "__dict__")
+    members = {n for n, v in vars(TextStream).items() if not n.startswith("__")} | set(TextStream.__slots__)
+    assert STREAM_ONLY <= members
+    found = {str(path.relative_to(SRC)): stream_attributes_set(path.read_text()) for path in SRC.rglob("*.py")
+             if path.name != "textstream.py"}
+    assert {path: lines for path, lines in found.items() if lines} == {}

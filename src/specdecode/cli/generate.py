@@ -30,6 +30,7 @@ def generate(args) -> None:
     """The Engine's checks judge the arguments (SpecDecodeError: exit 2 with its message), before torch and the
     models load (seconds to a minute)."""
     from ..checks import check_request
+    from ..request import Request
     if args.prompt == "-" and args.prediction == "-":
         raise SpecDecodeError("the prompt and --prediction cannot both be read from stdin")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -39,12 +40,12 @@ def generate(args) -> None:
             prediction = sys.stdin.read() if args.prediction == "-" else Path(args.prediction).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise SpecDecodeError(f"--prediction: cannot read {args.prediction}: {e}") from None
-    check_request(method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop, **tree_kwargs(args))
+    request = Request(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      stop=args.stop, chat=args.chat, prediction=prediction, **tree_kwargs(args))
+    check_request(**request.checked_fields())
     engine = load_engine(args, [args.method], progress=not args.json)
-    stream = engine.stream(prompt, method=args.method, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           stop=args.stop, chat=args.chat, prediction=prediction, **tree_kwargs(args))
+    stream = engine.open(request)
     for delta in stream:
         if not args.json:
             sys.stdout.write(delta)

@@ -27,7 +27,7 @@ class Provenance:
         self.stats, self.decode, self.public = stream.stats, stream.engine.decode, public
         self._local = _local_decoder(stream.engine)
         self.ids: list[int] = []
-        stream.steps = self._watch(stream.steps)
+        stream.wrap_steps(self._watch)
         self._queue: deque[list] = deque()  # [token, characters, info, entered]: tokens whose text is not all sent
         self._used = 0  # characters of the queue's first token already sent
         self._known = 0  # tokens measured and queued (or sent)

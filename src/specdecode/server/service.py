@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from ..drafters import History
 from ..errors import ContextExceeded, InvalidField, ModelNotFound, ServerFault, SpecDecodeError
 from ..methods import uses_cost_model
+from ..request import Request as EngineRequest
 from . import protocol as p
 from .scheduler import Disconnected, Job, Worker
 
@@ -184,38 +185,23 @@ class Service:
         return spec if self.show_sources else {k: v for k, v in spec.items() if k != "sources"}
 
     async def open(self, body, endpoint: str, prompt, history: History | None = None, scope: str = ""):
-        """The request as an Engine stream, opened (validated, tokenized) but not started."""
-        spec = body.speculation or p.Speculation()
-        chat = endpoint == "chat"
-        if body.max_tokens is not None:
-            max_tokens = body.max_tokens
-        else:  # the Engine stops at the context, so "the room left" is the cap
-            max_tokens = min(self.cap, COMPLETIONS_DEFAULT_MAX_TOKENS) if endpoint == "completions" else self.cap
-        kwargs = dict(method=spec.method or self.method, gamma=self.gamma if spec.gamma is None else spec.gamma,
-                      max_new_tokens=max_tokens, temperature=0.0 if body.temperature is None else body.temperature,
-                      top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
-                      seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop, chat=chat,
-                      **{k: getattr(spec, k) for k in ("tree_width", "tree_depth", "tree_nodes", "exact")
-                         if getattr(spec, k) is not None}, **({} if history is None else {"history": history}),
-                      cache_scope=scope, prediction=body.prediction.text() if body.prediction else None,
-                      **({"engine": spec.engine} if self.routed and spec.engine is not None else {}))
-        param = "messages" if chat else "prompt"
+        """The request as an Engine stream, opened (validated, tokenized once) but not started."""
+        request = self.engine_request(body, endpoint, prompt, history, scope)
+        param = "messages" if request.chat else "prompt"
         if self._tokenizing is None:
             self._tokenizing = anyio.CapacityLimiter(REQUEST_TOKENIZERS)
-        try:
-            self.worker.check_tree(**kwargs)  # batch slots: a tree a slot cannot hold is a 400, not a stream error
-            stream = await anyio.to_thread.run_sync(self._open_stream, prompt, kwargs, limiter=self._tokenizing)
+        try:  # batch slots: a tree a slot cannot hold is a 400, not a stream error
+            self.worker.check_tree(method=request.method, tree_width=request.tree_width,
+                                   tree_depth=request.tree_depth, tree_nodes=request.tree_nodes)
+            stream = await anyio.to_thread.run_sync(self._open_stream, request, limiter=self._tokenizing)
         except SpecDecodeError as e:
             raise p.engine_error(e, param) from None
-        predicted = getattr(stream, "prediction_ids", None)
-        if predicted is not None:
-            if len(predicted) > self.context:
-                raise ContextExceeded(f"the prediction has {len(predicted)} tokens; the model's context holds "
-                                      f"{self.context}", param="prediction")
-            kwargs["prediction"] = predicted  # its tokens: a batch slot's Engine opens it again without tokenizing
+        predicted = stream.prediction_ids
+        if predicted is not None and len(predicted) > self.context:
+            raise ContextExceeded(f"the prediction has {len(predicted)} tokens; the model's context holds "
+                                  f"{self.context}", param="prediction")
         # the engine that runs it, named in the response: a Router's choice, or the one engine's backend
-        name = stream.stats.engine = stream.stats.engine or self.engine_names[0]
-        stream.reopen = lambda engine: _named(engine.stream(prompt, **kwargs), name)  # on a batch slot's Engine
+        stream.stats.engine = stream.stats.engine or self.engine_names[0]
         n = stream.stats.prompt_tokens
         room = self.context - n
         if room <= 0:
@@ -226,6 +212,24 @@ class Service:
                                   f"context holds {self.context} tokens; ask for at most {room}", param="max_tokens")
         return stream
 
+    def engine_request(self, body, endpoint: str, prompt, history: History | None = None,
+                       scope: str = "") -> EngineRequest:
+        """The body as the engine's typed request, with this server's defaults (method, gamma, max_tokens)."""
+        spec = body.speculation or p.Speculation()
+        if body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        else:  # the Engine stops at the context, so "the room left" is the cap
+            max_tokens = min(self.cap, COMPLETIONS_DEFAULT_MAX_TOKENS) if endpoint == "completions" else self.cap
+        gamma = self.gamma if spec.gamma is None else spec.gamma
+        return EngineRequest(prompt, method=spec.method or self.method, gamma=gamma, max_new_tokens=max_tokens,
+                             temperature=0.0 if body.temperature is None else body.temperature,
+                             top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                             seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop,
+                             chat=endpoint == "chat", tree_width=spec.tree_width, tree_depth=spec.tree_depth,
+                             tree_nodes=spec.tree_nodes, exact=spec.exact, history=history, cache_scope=scope,
+                             prediction=body.prediction.text() if body.prediction else None,
+                             engine=spec.engine if self.routed else None)
+
     def warm_up(self) -> None:
         """At start-up, before any request: measure (once per machine; cached) or read what a request would
         otherwise measure on its first use: the pass costs any request's method may plan on, and exact mode's
@@ -234,14 +238,14 @@ class Service:
         if getattr(self.engine.target, "exact", False):
             self.engine.exact_limits()
 
-    def _open_stream(self, prompt, kwargs):
+    def _open_stream(self, request: EngineRequest):
         # Opening a stream reads only the tokenizer, except that the methods that plan on the cost model measure
         # the pass costs on first use (once per machine): warm_up does that at start-up; an app run without its
         # lifespan measures them here, which runs the models, so it waits for the worker.
-        if uses_cost_model(kwargs["method"]) and getattr(self.engine, "costs", None) is None:
+        if uses_cost_model(request.method) and getattr(self.engine, "costs", None) is None:
             with self.worker.lock:
-                return self.engine.stream(prompt, **kwargs)
-        return self.engine.stream(prompt, **kwargs)
+                return self.engine.open(request)
+        return self.engine.open(request)
 
     def final(self, end, endpoint: str) -> BaseModel:
         usage = p.Usage.of(end.prompt_tokens, end.completion_tokens, end.speculation)
@@ -304,11 +308,6 @@ def engine_header(job: Job) -> dict[str, str]:
     """The response header naming the engine that runs the job (as system_fingerprint and speculation.engine do)."""
     name = job.stream.stats.engine
     return {"X-Specdecode-Engine": name} if name else {}
-
-
-def _named(stream, name: str):
-    stream.stats.engine = name
-    return stream
 
 
 def _normalizes(engine) -> bool:
