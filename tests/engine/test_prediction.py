@@ -14,6 +14,7 @@ from helpers import LiveServer, http, run
 from specdecode import Engine, SpecDecodeError
 from specdecode.backends import CachedLM
 from specdecode.drafters import Alignment
+from specdecode.drafters import copy
 from specdecode.drafters.copy import copy_values
 from specdecode.drafters.lookup import Lookup
 from specdecode.planning.costs import CostModel
@@ -121,11 +122,28 @@ def test_a_copy_realigned_on_a_long_run_is_trusted_deep_at_once():
     assert a.breaks == 1 and a.run >= 20
     deep = a.guess(out, 48).values
     assert deep[31] > 0.6  # the 32nd token ahead: 0.9 ** 32 of a fresh Laplace run would give 21/53
-    assert deep == copy_values(a.run, a.hazard, 48)  # the prediction's prior odds are even
-    chance = copy_values(3, a.hazard, 48, odds=1 / 3)
+    assert deep == copy_values(a.run, a.hazards(48), 48)  # the prediction's prior odds are even
+    chance = copy_values(3, a.hazards(48), 48, odds=1 / 3)
     assert chance[15] < 0.55 * deep[15]  # the same record, a 3-token match in a prompt: backs off
     # a reference that breaks every few tokens is worth little however it was realigned
     assert copy_values(20, 0.3, 16)[7] < 0.1
+
+
+def test_edit_points_cluster_so_the_tokens_near_a_realignment_are_trusted_apart():
+    """A reference whose breaks came right after its realignments is trusted less just after the next one than
+    further on; one that went on cleanly after its realignments is trusted near them as far on."""
+    ref = list(range(1000, 1600))
+    clustered = ref[:100] + [7] + ref[101:106] + [8] + ref[107:112] + [9] + ref[113:116]  # just realigned again
+    a = follow(ref, clustered)
+    assert a.breaks == 3 and a.near[1] == 2 and a.far[1] == 1 and a.since < copy.NEAR
+    h = a.hazards(copy.NEAR + 4)
+    assert h[0] > 3 * h[-1]  # the next token, near the realignment, against one past NEAR tokens from it
+    clean = ref[:100] + [7] + ref[101:200] + [8] + ref[201:204]  # went on cleanly after its first realignment
+    b = follow(ref, clean)
+    assert b.breaks == 2 and b.near[1] == 0 and b.since < copy.NEAR and b.hazards(1)[0] < h[0] / 2
+    # a list of hazards: the path to the j-th token survives each of them
+    first = copy_values(5, 0.5, 1, spurious=False)[0]
+    assert copy_values(5, [0.5, 0.0, 0.0], 3, spurious=False) == pytest.approx([first] * 3)
 
 
 LINES = list(range(100, 112)) + [10] + [4, 5, 6] + [10] + [7, 8, 9] + [10] + [11, 12]  # lines ending on token 10
@@ -151,8 +169,8 @@ def test_a_tentative_alignment_that_fails_is_not_a_break_of_the_copy():
     a = follow(LINES, out)
     assert a.breaks == 1 and a.held == [0, 1] and a.pos == 13 and a.tentative  # resumed again after the second line
     values = a.guess(out, 3).values  # one failure halves the odds of the next tentative alignment
-    assert values == pytest.approx(copy_values(1, a.hazard, 3, odds=0.5, spurious=False))
-    assert values[0] < copy_values(1, a.hazard, 3, spurious=False)[0]
+    assert values == pytest.approx(copy_values(1, a.hazards(3), 3, odds=0.5, spurious=False))
+    assert values[0] < copy_values(1, a.hazards(3), 3, spurious=False)[0]
 
 
 def test_a_unique_short_match_resynchronises_after_a_deletion():

@@ -12,7 +12,8 @@ occurrence of the old name is guessed as the new one; where the output keeps the
 
 The value of a guess is a mixture of two explanations of the run of r tokens the output has just copied: the
 alignment is genuine (the output copies the reference, leaving it at an edit point with a per-token hazard h, this
-reference's breaks per copied token so far) or spurious (a chance match, which goes on with probability
+reference's breaks per copied token so far, learned apart for the first NEAR tokens after an alignment is made, where
+edit points cluster, and for those further on) or spurious (a chance match, which goes on with probability
 SPURIOUS_GO_ON a token). The run weighs them (Bayes, from the source's prior odds), and the j-th guess ahead is taken
 with P(genuine | r) (1 - h)^j + P(spurious | r) SPURIOUS_GO_ON^j. So a copy that re-synchronises after an edit point on
 a long common run is trusted at once as far as the reference's own record allows, a short match backs off, and a
@@ -36,6 +37,8 @@ SYNC_MIN = 3  # output tokens that must match the reference to (re)align on it
 SYNC_RUN_MAX = 64  # how far back a candidate alignment's common run is measured
 SYNC_CANDIDATES = 64  # occurrences of the last SYNC_MIN tokens compared per re-synchronisation, nearest first
 BREAK_PRIOR = 8.0  # a reference starts with a hazard of one break per BREAK_PRIOR tokens, learned from then on
+NEAR = 8  # the first tokens after an alignment is (re)made: edits cluster, so their hazard is learned apart
+FAR_PRIOR = 32.0  # past them a reference starts with one break per FAR_PRIOR tokens (BREAK_PRIOR near a sync)
 SPURIOUS_GO_ON = 0.7  # P(a chance match of the output and the reference goes on one more token)
 PRIOR_ODDS = {"prediction": 1.0, "context": 1 / 3}  # odds of a genuine copy before any run: the client's own
 # prediction is meant to be copied; a prompt is mostly not repeated, and code repeats short pieces of itself
@@ -67,6 +70,8 @@ class Alignment:
         self.seen = 0  # output tokens already followed
         self.copied = 0  # output tokens that went on as the reference did, while aligned
         self.breaks = 0  # times the output left the reference while aligned
+        self.since = 0  # tokens copied since the alignment was last made (at the start, a re-synchronisation)
+        self.near, self.far = [0, 0], [0, 0]  # (copied, breaks) within NEAR tokens of an alignment's making, and past
         self._broke: tuple[int, int] | None = None  # (output index, reference position) of the last break
         self._edits: dict[tuple, tuple] = {}  # substitutions the output made: reference span -> what it wrote
         self._by_first: dict[int, list[tuple]] = {}  # their reference spans by first token, longest first
@@ -102,6 +107,7 @@ class Alignment:
                     self.tentative, self.pos, self.run, self.pending = False, None, 0, []
                 else:
                     self.breaks += 1
+                    (self.near if self.since < NEAR else self.far)[1] += 1
                     self._broke = (i, self.pos)
                     self.last, self.pos, self.run, self.pending = self.pos, None, 0, []
             if i + 1 >= SYNC_MIN:
@@ -132,7 +138,7 @@ class Alignment:
         found.append((1, once(1)))
         for run, end in found:
             if 0 < end < len(self.reference):
-                self.pos, self.run, self.tentative = end, run, True
+                self.pos, self.run, self.tentative, self.since = end, run, True, 0
                 return
 
     def _advance(self) -> None:
@@ -145,6 +151,8 @@ class Alignment:
             self.pos += 1
         self.run += 1
         self.copied += 1
+        (self.near if self.since < NEAR else self.far)[0] += 1
+        self.since += 1
 
     def _expected(self, n: int) -> list[int]:
         """The next n tokens the output should write if it goes on as before: the reference, with every edit it
@@ -207,14 +215,16 @@ class Alignment:
             if run > best_run:
                 best_end, best_run = end, run
         if best_end is not None and best_end < len(ref):
-            self.pos, self.run, self.tentative = best_end, best_run, False
+            self.pos, self.run, self.tentative, self.since = best_end, best_run, False, 0
             self._learn(out, n)
 
-    @property
-    def hazard(self) -> float:
-        """P(the output leaves the reference at a given token) while it genuinely copies it: this reference's breaks
-        per copied token, from a prior of one break in BREAK_PRIOR tokens."""
-        return (self.breaks + 1) / (self.copied + self.breaks + BREAK_PRIOR)
+    def hazards(self, n: int) -> list[float]:
+        """P(the output leaves the reference at each of its next n tokens) while it genuinely copies it: near an
+        alignment's making this reference's breaks per copied token there (prior: one in BREAK_PRIOR), past it
+        those further on (prior: one in FAR_PRIOR). An edit point seldom comes alone."""
+        near = (self.near[1] + 1) / (self.near[0] + self.near[1] + BREAK_PRIOR)
+        far = (self.far[1] + 1) / (self.far[0] + self.far[1] + FAR_PRIOR)
+        return [near if self.since + j < NEAR else far for j in range(n)]
 
     def guess(self, ids: list[int], depth: int) -> CopyGuess | None:
         """The reference's next tokens (at most depth) with their values; None where it is not aligned."""
@@ -225,20 +235,25 @@ class Alignment:
         odds = PRIOR_ODDS.get(self.source, 1.0)
         if self.tentative:  # a short match is no evidence of a chance copy going on: valued as a genuine one only
             odds *= (self.held[0] + 1) / (self.held[1] + 1)
-            values = copy_values(self.run, self.hazard, len(tokens), odds, spurious=False)
+            values = copy_values(self.run, self.hazards(len(tokens)), len(tokens), odds, spurious=False)
         else:
-            values = copy_values(self.run, self.hazard, len(tokens), odds)
+            values = copy_values(self.run, self.hazards(len(tokens)), len(tokens), odds)
         return CopyGuess(tokens, values, self.run, self.source)
 
 
-def copy_values(run: int, hazard: float, n: int, odds: float = 1.0, spurious: bool = True) -> list[float]:
+def copy_values(run: int, hazard: float | list[float], n: int, odds: float = 1.0, spurious: bool = True) -> list[float]:
     """P(the target takes each of the next n copied tokens, the path to it included) after `run` tokens copied in
-    a row: genuine copy (hazard per token) or chance match (SPURIOUS_GO_ON per token; not counted where spurious is
-    False), weighed by the run from prior odds `odds` of a genuine copy."""
-    keep = 1.0 - hazard
+    a row: genuine copy (hazard per token, or a list of the next n tokens' hazards) or chance match (SPURIOUS_GO_ON
+    per token; not counted where spurious is False), weighed by the run from prior odds `odds` of a genuine copy."""
+    hazards = [hazard] * n if isinstance(hazard, (int, float)) else list(hazard)
+    keep = 1.0 - (hazards[0] if hazards else 0.0)  # the run's likelihood as a genuine copy: at the next token's
     genuine = 1.0 / (1.0 + (SPURIOUS_GO_ON / keep) ** run / odds) if keep > 0 else 0.0
     chance = (1.0 - genuine) if spurious else 0.0
-    return [genuine * keep ** j + chance * SPURIOUS_GO_ON ** j for j in range(1, n + 1)]
+    values, path = [], 1.0
+    for j, h in enumerate(hazards[:n], 1):
+        path *= 1.0 - h
+        values.append(genuine * path + chance * SPURIOUS_GO_ON ** j)
+    return values
 
 
 def followed(prompt_ids, prediction_ids, start: int | None = None) -> list[Alignment]:
