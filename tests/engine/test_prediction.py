@@ -13,8 +13,7 @@ import pytest
 from helpers import LiveServer, http, run
 from specdecode import Engine, SpecDecodeError
 from specdecode.backends import CachedLM
-from specdecode.drafters import Alignment
-from specdecode.drafters import copy
+from specdecode.drafters import Alignment, copy
 from specdecode.drafters.copy import copy_values
 from specdecode.drafters.lookup import Lookup
 from specdecode.planning.costs import CostModel
