@@ -35,8 +35,8 @@ def _speed_cells(r: dict) -> str:
 def report(results: dict) -> str:
     """report.md: the main table, then a section per aspect (each empty where the run has nothing for it)."""
     lines: list[str] = []
-    for section in (_head, _speeds, _speedup_by_category, _drafters, _engines, _turns, _pass_costs, _auto, _tree,
-                    _per_prompt):
+    for section in (_head, _speeds, _speedup_by_category, _drafters, _engines, _turns, _pass_costs, _auto, _copies,
+                    _tree, _per_prompt):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -207,6 +207,35 @@ def _auto(results: dict) -> list[str]:
                              f"{_f(v.get('expected_tokens_per_pass'))} | {_f(v.get('mean_accepted_tokens'))} | "
                              f"{_f(pred, '{:.2f}x')} | {_f(dec, '{:.2f}x')} | {_f(v.get('speedup'), '{:.2f}x')} | "
                              f"{_f(dec / pred if dec and pred else None, '{:.0%}')} |")
+    return lines
+
+
+COPIED = 0.95  # an answer that copies at least this share of its prediction is judged against the perfect-copy bound
+
+
+def _copies(results: dict) -> list[str]:
+    """Each answer with a prediction: the share of it that copies the prediction and its decoding against the
+    perfect-copy bound on this machine's measured pass costs (bench/bound.py)."""
+    rows = [r for r in results["prompts"] if r.get("copy_bound_tokens_per_second")]
+    if not rows:
+        return []
+    lines = ["\n## Copies against their bound\n",
+             "Bound: a copy that is always right, each token in the timed pass size that costs least per token at its "
+             f"context (max over k of k / T(k)). Answers that copy ≥ {COPIED:.0%} of their tokens from the prediction "
+             "(longest common subsequence) are marked.\n",
+             "| prompt | method | copied | decode tok/s | bound tok/s | of the bound |", "|---|---|---|---|---|---|"]
+    marked = []
+    for r in rows:
+        share, bound, dec = r.get("prediction_copied"), r["copy_bound_tokens_per_second"], r["decode_tokens_per_second"]
+        frac = dec / bound if dec and bound else None
+        if share is not None and share >= COPIED and frac is not None:
+            marked.append(frac)
+        mark = " ✓" if share is not None and share >= COPIED else ""
+        lines.append(f"| {r['prompt_id']} | {r['method']} | {_f(share, '{:.1%}')}{mark} | {_f(dec)} | {_f(bound)} | "
+                     f"{_f(frac, '{:.2f}')} |")
+    if marked:
+        lines.append(f"\nOn the {len(marked)} answers marked: {sum(marked) / len(marked):.2f} of the bound on average "
+                     f"(lowest {min(marked):.2f}).")
     return lines
 
 

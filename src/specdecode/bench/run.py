@@ -14,6 +14,7 @@ from ..host import cpu_description
 from ..launch.describe import hugepages_status
 from ..methods import BASELINE, DEFAULT_GAMMA, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 from ..request import Request
+from .bound import copied_share, copy_bound
 from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
 from .server_peer import SERVER_PEERS, close_peers, make_server_peers
 from .summary import decode_rate, summarize
@@ -204,4 +205,16 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
             "prefill_s": s.prefill_s, "ttft_s": s.ttft_s, "first_tokens": s.first_tokens,
             "decode_tokens_per_second": s.decode_tokens_per_second, "catchup_s": s.catchup_s,
             "tree_depth": s.tree_depth, "expected_tokens": s.expected_tokens, "planned_passes": s.planned_passes,
-            "modelled_s": s.modelled_s, "plain_step_s": s.plain_step_s, "strategies": s.strategies}
+            "modelled_s": s.modelled_s, "plain_step_s": s.plain_step_s, "strategies": s.strategies,
+            **_against_a_copy(engine, p, method, g)}
+
+
+def _against_a_copy(engine, p: dict, method: str, g) -> dict:
+    """With a prediction, for the methods that plan on the measured costs: the share of the answer that copies it,
+    and the perfect-copy bound of its decoding on this machine (bench/bound.py)."""
+    if not p.get("prediction") or not _is(method, "uses_cost_model"):
+        return {}
+    s = g.stats
+    ids = engine.encode_prediction(p["prediction"])
+    return {"prediction_copied": copied_share(ids, g.token_ids, s.finish_reason == "eos"),
+            "copy_bound_tokens_per_second": copy_bound(engine.tree_costs(), s.prompt_tokens, s.new_tokens)}
