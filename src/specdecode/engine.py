@@ -2,7 +2,6 @@
 draft -> verify -> accept -> roll back) with the drafter each method builds (methods.py)."""
 from __future__ import annotations
 
-import copy
 from contextlib import ExitStack
 from typing import Iterator
 
@@ -14,7 +13,7 @@ from .builders import Parts
 from .drafters import DRAFT_WINDOW, Datastore, DraftModel, History, check_compatible, tokenizer_fingerprint
 from .errors import InvalidField, SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits, padding
-from .lease import Lease, tokenizer_lock
+from .lease import Lease, TokenizerCopies, tokenizer_lock
 from .methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, NO, DraftRequest, get_method, method_names
 from .stats import Generation, Stats
 from .textstream import TextStream
@@ -72,12 +71,13 @@ class Engine:
         if datastore is not None:
             self.use_datastore(datastore)
 
-    def separate_encoder(self) -> None:
-        """Encode requests on a copy of the tokenizer from now on: each copy has its own lock (lease.tokenizer_lock), so
-        a server's handlers encoding big requests never hold up the generation that decodes on the engine's own."""
+    def separate_encoder(self, copies: int = 1) -> None:
+        """Encode requests on `copies` copies of the tokenizer from now on (lease.TokenizerCopies: each encoding takes a
+        free one), so a server's handlers encoding big requests never hold up the generation that decodes on the
+        engine's own, nor, up to `copies` at once, each other."""
         if self.encoder is self.tokenizer:
             try:
-                self.encoder = copy.deepcopy(self.tokenizer)
+                self.encoder = TokenizerCopies(self.tokenizer, copies)
             except Exception:  # noqa: BLE001 (a tokenizer that cannot be copied: shared, under its one lock)
                 self.encoder = self.tokenizer
 

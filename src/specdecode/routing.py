@@ -160,9 +160,9 @@ class Router:
             return next(iter(self.engines))
         return min(self.engines, key=lambda n: self.predict_s(n, prompt_tokens, new_tokens, alpha, gamma))
 
-    def separate_encoder(self) -> None:
+    def separate_encoder(self, copies: int = 1) -> None:
         for engine in self.engines.values():
-            engine.separate_encoder()
+            engine.separate_encoder(copies)
 
     def stream(self, prompt, engine: str | None = None, **kwargs):
         """Engine.stream's arguments; `engine` pins the engine that runs it (default: the one predicted to end

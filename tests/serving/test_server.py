@@ -1182,7 +1182,7 @@ def test_a_running_stream_is_not_stalled_by_big_requests_being_tokenized(own_tok
     decoding never waits for them: its gaps stay well under one big body's tokenization. Negative control: on the
     engine's one tokenizer (own_tokenizer False) a gap lasts about a whole tokenization."""
     if not own_tokenizer:
-        monkeypatch.setattr(Engine, "separate_encoder", lambda self: None)
+        monkeypatch.setattr(Engine, "separate_encoder", lambda self, copies=1: None)
     ctl = ControlledEngine(build_engine(), delay=0.02)
     srv = LiveServer(create_app(ctl, model_id=MODEL, method="autoregressive", gamma=1))
     srv.app.state.service.token_chars = None  # no character pre-check: the bodies are tokenized, then refused

@@ -89,4 +89,3 @@ def test_route_leaves_torch_out_where_the_conversion_would_not_fit(tmp_path, mon
     assert "loading the bf16 copy needs about" in routing.torch_unsuited(engine)
     group(converted_dir(gguf, "bf16"), {"config.json": "{}"})
     assert routing.torch_unsuited(engine) is None
-

@@ -7,9 +7,10 @@ each piece of text, then ("end", End) or ("error", a typed SpecDecodeError: erro
 the request's side; nothing here knows about HTTP.
 
 Cancellation: a waiting job is taken out of the queue; a running one stops at its next step (the stream's `interrupt`,
-checked after every step whether or not it emitted text, and between the passes of the prompt's read). A client that goes away is noticed within POLL_S, while its
-events flow too. Deadlines: a job still waiting at its deadline gets a 503 (Worker.events); a running job that passes
-it ends at its next step with finish_reason "length" ("timeout" in its speculation stats).
+checked after every step whether or not it emitted text, and between the passes of the prompt's read). A client that
+goes away is noticed within POLL_S, while its events flow too. Deadlines: a job still waiting at its deadline gets a 503
+(Worker.events); a running job that passes it ends at its next step with finish_reason "length" ("timeout" in its
+speculation stats).
 """
 from __future__ import annotations
 
@@ -23,9 +24,20 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import anyio
+
+from ..errors import (
+    ContextExceeded,
+    EngineFailed,
+    EngineUnavailable,
+    Overloaded,
+    QueueTimeout,
+    ServerFault,
+    ShuttingDown,
+    SpecDecodeError,
+    Unavailable,
+)
 from ..host import name_thread
-from ..errors import (ContextExceeded, EngineFailed, EngineUnavailable, Overloaded, QueueTimeout, ServerFault,
-                      ShuttingDown, SpecDecodeError, Unavailable)
 from .affinity import slot_for
 from .metrics import Metrics
 from .protocol import engine_error
@@ -34,6 +46,7 @@ from .provenance import Provenance
 log = logging.getLogger("specdecode.server")
 
 POLL_S = 0.25  # how often a waiting request checks its client and its deadline
+OPENING_AT_ONCE = 2  # requests opened (tokenized) at once on handler threads: more wait, leaving the worker its cores
 
 _ENGINE_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _ENGINE_LOCKS_GUARD = threading.Lock()
@@ -127,6 +140,8 @@ class Worker:
         self._threads: list[threading.Thread | None] = [None] * len(self._engines)
         self._stopping = False
         self._closed = False  # closed by a shutdown: new jobs are refused until start()
+        self._opening = 0  # requests admitted and being opened (tokenized), or waiting to be: they count as queued
+        self._openers: anyio.CapacityLimiter | None = None  # OPENING_AT_ONCE (made on the event loop: open)
         self._mean_s = 1.0  # moving average of job durations, for Retry-After
         metrics.queued.set_function(lambda: len(self._waiting))
         metrics.busy.set_function(lambda: len(self._running))
@@ -168,6 +183,21 @@ class Worker:
         if self.slots is not None:
             self.slots.check_tree(**request)
 
+    async def open(self, fn: Callable[..., Any], *args) -> Any:
+        """fn(*args) on a handler thread, OPENING_AT_ONCE at a time (opening a request: tokenizing it), while the
+        request holds a place in the queue: bodies waiting to be tokenized count against max_queue (Overloaded, as a
+        full queue), so a burst of big bodies cannot pile up behind the tokenizers."""
+        with self._cv:
+            self._refuse()
+            self._opening += 1
+        try:
+            if self._openers is None:
+                self._openers = anyio.CapacityLimiter(OPENING_AT_ONCE)
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._openers)
+        finally:
+            with self._cv:
+                self._opening -= 1
+
     def submit(self, job: Job) -> None:
         """Queue the job; Overloaded when max_queue jobs wait already, ShuttingDown once the server is closing."""
         with self._cv:
@@ -180,7 +210,8 @@ class Worker:
     def _refuse(self) -> None:  # holds _cv (a reentrant lock: retry_after takes it too)
         if self._closed:
             raise shutting_down()
-        if len(self._waiting) >= self.max_queue:
+        free = len(self._engines) - len(self._running)  # a request being opened may run at once on a free engine
+        if len(self._waiting) >= self.max_queue or len(self._waiting) + self._opening >= self.max_queue + free:
             raise Overloaded(f"the server is busy ({self.max_queue} requests waiting); retry later",
                              retry_after=self.retry_after())
 

@@ -11,7 +11,6 @@ import time
 import uuid
 from collections import OrderedDict
 
-import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -21,13 +20,12 @@ from ..errors import ContextExceeded, InvalidField, ModelNotFound, ServerFault, 
 from ..methods import uses_cost_model
 from ..request import Request as EngineRequest
 from . import protocol as p
-from .scheduler import Disconnected, Job, Worker
+from .scheduler import OPENING_AT_ONCE, Disconnected, Job, Worker
 
 log = logging.getLogger("specdecode.server")
 
 MAX_HISTORY_SCOPES = 16  # API keys whose output histories are kept, the least recently used dropped first
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
-REQUEST_TOKENIZERS = 2  # requests tokenized at once (handler threads): more wait, leaving the worker its cores
 
 
 def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -69,8 +67,7 @@ class Service:
         self.normalized = _normalizes(engine)  # its normalizer may change the text's length: a looser pre-check
         separate = getattr(engine, "separate_encoder", None)
         if separate is not None:  # requests are encoded on a tokenizer of their own: the worker never waits for them
-            separate()
-        self._tokenizing: anyio.CapacityLimiter | None = None  # at most REQUEST_TOKENIZERS requests at once (open)
+            separate(OPENING_AT_ONCE)  # a copy for each request tokenized at once: a big body holds up no other
         self.show_sources = show_sources  # per-source draft counts in responses (they tell of other outputs)
         self.histories: OrderedDict[str, History] = OrderedDict()  # per API key (its hash)
         held = getattr(engine, "engines", None)  # a Router's engines by name (--route); an Engine is one
@@ -188,12 +185,10 @@ class Service:
         """The request as an Engine stream, opened (validated, tokenized once) but not started."""
         request = self.engine_request(body, endpoint, prompt, history, scope)
         param = "messages" if request.chat else "prompt"
-        if self._tokenizing is None:
-            self._tokenizing = anyio.CapacityLimiter(REQUEST_TOKENIZERS)
         try:  # batch slots: a tree a slot cannot hold is a 400, not a stream error
             self.worker.check_tree(method=request.method, tree_width=request.tree_width,
                                    tree_depth=request.tree_depth, tree_nodes=request.tree_nodes)
-            stream = await anyio.to_thread.run_sync(self._open_stream, request, limiter=self._tokenizing)
+            stream = await self.worker.open(self._open_stream, request)  # while it waits, it counts as queued
         except SpecDecodeError as e:
             raise p.engine_error(e, param) from None
         predicted = stream.prediction_ids
