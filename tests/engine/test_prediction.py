@@ -358,7 +358,14 @@ def test_openai_client_sends_a_prediction_and_reads_the_usage(client):
                                          prediction={"type": "content", "content": text})
     assert out.choices[0].message.content == text
     d = out.usage.completion_tokens_details
-    assert d.accepted_prediction_tokens > 0 and d.rejected_prediction_tokens >= 0
+    # the prediction is the answer (one token a character): every token of it appears, none is rejected
+    assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (len(text), 0)
+    wrong = text[:10] + "QQQQ" + text[10:]  # four tokens the answer does not have, then the answer's own
+    again = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, temperature=0,
+                                           prediction={"type": "content", "content": wrong})
+    d = again.usage.completion_tokens_details
+    assert again.choices[0].message.content == text
+    assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (len(text), 4)
     spec = out.model_extra["speculation"]
     assert spec["target_forwards"] < plain.model_extra["speculation"]["target_forwards"]
 

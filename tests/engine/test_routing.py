@@ -106,9 +106,28 @@ def test_the_router_answers_for_its_first_engine(router):
         Router({})
 
 
-def test_flat_ratio_is_a_measured_ratio():
-    r = flat_ratio(rows=4, d=64, ff=128, repeats=2)
-    assert r > 0
+def test_flat_ratio_is_the_best_timed_ratio_of_a_wide_product_to_a_narrow_one(monkeypatch):
+    """On a clock that each product advances by a + b x rows (a spike once: another process): the ratio of the two
+    products' fastest repeats, (a + 16 b) / (a + b); a CPU whose matrix units price 16 rows as 1 measures 1."""
+    import types
+
+    import torch
+
+    from specdecode import routing
+    clock, calls = [0.0], []
+
+    def timed(a, b):
+        def matmul(x, w):
+            calls.append(x.shape[0])
+            clock[0] += a + b * x.shape[0] + (5.0 if len(calls) == 3 else 0.0)  # the first timed repeat: a spike
+            return x
+        return matmul
+    monkeypatch.setattr(routing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", timed(1.0, 0.5))
+    assert flat_ratio(rows=16, d=8, ff=8, repeats=3) == pytest.approx((1.0 + 16 * 0.5) / (1.0 + 0.5))
+    assert sorted(set(calls)) == [1, 16] and len(calls) == 2 * (2 + 3 * 8)  # warm-ups, then repeats of 8 products
+    monkeypatch.setattr(torch.Tensor, "__matmul__", timed(2.0, 0.0))
+    assert flat_ratio(rows=16, d=8, ff=8, repeats=3) == pytest.approx(1.0)
 
 
 def test_route_end_to_end_on_a_tiny_gguf(tmp_path, monkeypatch):
@@ -117,8 +136,11 @@ def test_route_end_to_end_on_a_tiny_gguf(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")  # this machine's bf16 ratio must not decide a test
     both = Router.load(str(gguf), None, progress=False, with_draft=False)
     assert set(both.engines) == {"llama.cpp", "torch"} and both.read_s["torch"] > 0
-    out = both.generate("hello hello hello", method="auto", max_new_tokens=8)
-    assert out.stats.engine in ("llama.cpp", "torch") and len(out.token_ids) == 8
+    for fast, slow in (("torch", "llama.cpp"), ("llama.cpp", "torch")):  # the engine that reads prompts slowly loses
+        both.read_s = {fast: 0.0, slow: 10.0}
+        out = both.generate("hello hello hello", method="auto", max_new_tokens=8)
+        alone = both.engines[fast].generate("hello hello hello", method="auto", max_new_tokens=8)
+        assert out.stats.engine == fast and out.token_ids == alone.token_ids and len(out.token_ids) == 8
     with pytest.raises(SpecDecodeError, match="--dtype"):
         Router.load(str(gguf), None, dtype="fp32", progress=False)
 
