@@ -11,6 +11,8 @@ from specdecode import Engine
 from specdecode.server import create_app, engine_lock
 from tiny import build_engine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 MODEL = "tiny"
 BIG = "hello world " * 100_000  # 1.2 MB: tokenized, then refused as past the context
 
