@@ -38,6 +38,9 @@ class FakeStream:
         finally:
             self.closed = True
 
+    def stop_when(self, check) -> None:
+        self.interrupt = check
+
 
 class NoEngine:
     """The worker only takes the engine's lock: the jobs bring their streams."""
@@ -299,5 +302,5 @@ def test_a_long_prompts_read_stops_between_its_passes_when_interrupted(backend, 
         assert asked and asked[-1] <= 512 and len(engine.target) <= 512  # one pass read, the rest never
     # negative control: nothing asked to stop, the prompt is read whole and the output is the one alone
     full = engine.stream(prompt, method="autoregressive", max_new_tokens=8)
-    full.interrupt = lambda: False
+    full.stop_when(lambda: False)
     assert "".join(full) == engine.generate(prompt, method="autoregressive", max_new_tokens=8).text
