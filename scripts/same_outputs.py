@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
+
 from helpers import CHEAP  # noqa: E402
 from tiny import build_engine, char_tokenizer  # noqa: E402
 

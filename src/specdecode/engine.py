@@ -8,18 +8,18 @@ from typing import Iterator
 import torch
 
 from .backends import as_lm, torch_threads_for
-from .checks import check_request, positive_int
 from .builders import Parts
+from .checks import check_request, positive_int
 from .drafters import DRAFT_WINDOW, Datastore, DraftModel, History, check_compatible, tokenizer_fingerprint
 from .errors import InvalidField, SpecDecodeError
 from .exactness import ExactLimits, limits as measured_exact_limits, padding
 from .lease import Lease, TokenizerCopies, tokenizer_lock
-from .methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, NO, DraftRequest, get_method, method_names
-from .stats import Generation, Stats
-from .textstream import TextStream
 from .loop import speculative_decode
+from .methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, NO, DraftRequest, get_method, method_names
 from .prefill import Interrupt, cache_kept_for_reuse, interruptible, text_budget
 from .request import Encoded, Request
+from .stats import Generation, Stats
+from .textstream import TextStream
 
 METHODS = method_names()  # the names in methods.METHOD_TABLE, which says what each needs
 
@@ -111,8 +111,9 @@ class Engine:
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
         "torch" or "llama.cpp" (routing.Router.load: a GGUF target on both, each request on the faster).
-        draft_quant (llama.cpp): "auto" runs the draft in whichever of its file's type, Q4_0 and Q8_0 is fastest on this machine (the draft never changes the output's law),
-        "none" keeps the file, "Q4_0"/"Q8_0" force one. history_tokens, datastore: see Engine.
+        draft_quant (llama.cpp): "auto" runs the draft in whichever of its file's type, Q4_0 and Q8_0 is fastest
+        on this machine (the draft never changes the output's law), "none" keeps the file, "Q4_0"/"Q8_0" force
+        one. history_tokens, datastore: see Engine.
         draft_vocab (torch): truncate the draft's output layer to this many most frequent tokens of
         draft_vocab_from (a datastore; default: datastore), see truncate_draft_vocab. draft_window: the
         draft model sees only about the last this many tokens (None: the whole text), see DraftModel.
