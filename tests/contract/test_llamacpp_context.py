@@ -12,9 +12,9 @@ pytest.importorskip("llama_cpp", reason="the llama.cpp backend needs llama-cpp-p
 
 import specdecode.backends.llamacpp.lm as llamacpp_mod  # noqa: E402
 from specdecode import Engine  # noqa: E402
-from specdecode.errors import Interrupted  # noqa: E402
 from specdecode.backends import load_lm  # noqa: E402
 from specdecode.backends.llamacpp import MAX_SEQ, LlamaLM  # noqa: E402
+from specdecode.errors import Interrupted  # noqa: E402
 from tinygguf import write_tiny_gguf  # noqa: E402
 
 
@@ -68,8 +68,7 @@ def test_every_pass_runs_on_one_compute_thread_whoever_asks(gguf, monkeypatch):
     thread): every llama_decode goes through backends.compute's one thread, from any thread, slots included."""
     import threading
 
-    from specdecode.backends import slots as make_slots
-    from specdecode.backends import compute
+    from specdecode.backends import compute, slots as make_slots
     from specdecode.backends.llamacpp.batching import Lockstep
     lm = LlamaLM(gguf, threads=1)
     callers, real = [], lm._lc.llama_decode

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from specdecode.stats import Generation, Stats
 from specdecode.errors import ContextExceeded, Overloaded, SpecDecodeError
 from specdecode.server.scheduler import Disconnected, End, Job, Metrics, Worker
+from specdecode.stats import Generation, Stats
 
 
 class FakeStream:
@@ -282,15 +282,15 @@ def _wait(cond, timeout=30.0) -> bool:
 def test_a_long_prompts_read_stops_between_its_passes_when_interrupted(backend, tmp_path):
     """The server's cancellation and deadline (the stream's interrupt) are asked between the prompt's passes too:
     a client gone during a long prompt's read frees the worker after one pass, not after the whole prompt."""
-    from tiny import byte_tokenizer, tiny_model
     from specdecode import Engine
+    from tiny import byte_tokenizer, tiny_model
     tok = byte_tokenizer()
     if backend == "torch":
         target = tiny_model(0, max_pos=4096)
     else:
         pytest.importorskip("llama_cpp")
-        from tinygguf import write_tiny_gguf
         from specdecode.backends.llamacpp import LlamaLM
+        from tinygguf import write_tiny_gguf
         target = LlamaLM(write_tiny_gguf(tmp_path / "t.gguf", 0, ctx=4096), threads=1)
     engine = Engine(target, tok)
     prompt = "the quick brown fox jumps over the lazy dog; " * 40  # 1,800 tokens: 4 passes of 512
