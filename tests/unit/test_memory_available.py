@@ -81,7 +81,8 @@ def test_route_leaves_torch_out_where_the_conversion_would_not_fit(tmp_path, mon
     from specdecode.backends.loading import converted_dir
     monkeypatch.delenv("SPECDECODE_ROUTE_FORCE", raising=False)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(routing, "flat_ratio", lambda: 1.0)  # this machine's matrix units must not decide the test
+    # this machine's matrix units must not decide the test
+    monkeypatch.setattr(routing, "probed_flat_ratio", lambda engine, remeasure=False: 1.0)
     monkeypatch.setattr(routing, "memory_available", lambda: 3 * 10 ** 9)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"\0" * 1000)
