@@ -10,11 +10,11 @@ import json
 
 import openai
 import pytest
-from helpers import LiveServer, http
-from tiny import build_engine, char_tokenizer
 
+from helpers import LiveServer, http
 from specdecode.planning.costs import CostModel
 from specdecode.server import create_app
+from tiny import build_engine, char_tokenizer
 
 XEON = CostModel({1: 1.0, 2: 1.53, 3: 2.08, 4: 1.53, 8: 2.97, 16: 3.39, 32: 6.10, 64: 12.2}, {})
 MODEL = "tiny"
@@ -221,6 +221,7 @@ def test_the_bodys_prediction_reaches_the_drafter_tokenized_once(live, engine, a
 def test_a_batch_slot_opens_the_request_again_without_tokenizing_the_prediction(engine, encodings, answer):
     """Where batch slots run requests, the slot's Engine opens the request again (stream.reopen): with its tokens."""
     import anyio
+
     from specdecode.server import protocol as p
     service = create_app(engine, model_id=MODEL, method="auto").state.service
     _, chat = p.request_models(service.cap)
@@ -236,12 +237,11 @@ def test_batch_slots_count_the_prediction_as_the_engine_alone(tmp_path, monkeypa
     """On llama.cpp batch slots: the request's counts are those of the same generation alone, its prediction
     tokenized once (the slot's Engine opens the request again with its tokens)."""
     pytest.importorskip("llama_cpp")
-    from tinygguf import write_tiny_gguf
-    from tiny import byte_tokenizer
-
     from specdecode import Engine
     from specdecode.backends.llamacpp import LlamaLM
     from specdecode.slots import Slots
+    from tiny import byte_tokenizer
+    from tinygguf import write_tiny_gguf
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
     tok = byte_tokenizer()
     e = Engine(LlamaLM(gguf, threads=1), tok, LlamaLM(gguf, threads=1), tok)

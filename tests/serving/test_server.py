@@ -14,15 +14,15 @@ import hypothesis
 import openai
 import pytest
 import schemathesis
-from schemathesis.specs.openapi.checks import positive_data_acceptance
 from prometheus_client.parser import text_string_to_metric_families
-from helpers import LiveServer, http
-from tiny import build_engine, byte_tokenizer
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from helpers import LiveServer, http
 from specdecode import METHODS, Engine, SpecDecodeError
-from specdecode.errors import ContextExceeded, EngineUnavailable
 from specdecode.cli import main
+from specdecode.errors import ContextExceeded, EngineUnavailable
 from specdecode.server import create_app, engine_lock
+from tiny import build_engine, byte_tokenizer
 
 MODEL = "tiny"
 KEY = "sk-test-0123456789"
@@ -276,7 +276,8 @@ def test_bad_values_get_the_engines_message(live, tiny_engine, fields, kwargs, p
 def test_chat_messages_errors_are_the_engines(live, tiny_engine):
     with pytest.raises(SpecDecodeError) as e:
         tiny_engine.stream([{"role": "user", "content": "  "}])
-    r = http.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "  "}]})
+    r = http.post(f"{live.url}/v1/chat/completions",
+                  json={"model": MODEL, "messages": [{"role": "user", "content": "  "}]})
     assert r.status_code == 400 and r.json()["error"]["message"] == str(e.value)
     assert r.json()["error"]["param"] == "messages"
 

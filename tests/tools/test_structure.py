@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import specdecode
-from specdecode.drafters import Drafter, DraftModel, PromptLookup
 from specdecode.backends import LM, CachedLM
+from specdecode.drafters import Drafter, DraftModel, PromptLookup
 from specdecode.planning.tree import TreeDrafter
 from tiny import tiny_model
 from tinygguf import write_tiny_gguf
@@ -83,7 +83,8 @@ def test_no_function_over_60_lines():
     for path in SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
-                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+                size = node.end_lineno - node.lineno + 1
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({size} lines)")
     assert not long, "split these functions: " + "; ".join(long)
 
 
@@ -224,8 +225,8 @@ def test_the_load_test_and_the_command_line_load_no_torch():
            "    sys.modules['specdecode.cli'].build_parser()  # every command's parser\n" \
            "    assert 'torch' not in sys.modules, 'a parser loads torch'\n" \
            "if 'specdecode.checks' in sys.modules:\n" \
-           "    sys.modules['specdecode.checks'].check_request(method='tree', temperature=0.7, top_p=0.9, stop=['x'], " \
-           "tree_width=2)\n    assert 'torch' not in sys.modules, 'check_request loads torch'\n"
+           "    sys.modules['specdecode.checks'].check_request(method='tree', temperature=0.7, top_p=0.9, " \
+           "stop=['x'], tree_width=2)\n    assert 'torch' not in sys.modules, 'check_request loads torch'\n"
     for modules, loads_torch in ((light, False), (["specdecode.engine"], True)):
         out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=300)
         assert (out.returncode != 0) == loads_torch, out.stderr[-2000:]
