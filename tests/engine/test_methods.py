@@ -110,7 +110,7 @@ def test_a_method_added_to_the_table_is_accepted_and_builds_its_drafter(monkeypa
 def test_a_method_added_to_the_table_reaches_bench_summaries(monkeypatch):
     """bench's summary reads the table's flags: a chain method gets alpha and the analytic bound."""
     monkeypatch.setitem(METHOD_TABLE, "fake", FAKE)
-    assert bench._is("fake", "chain") and not bench._is("hf-assisted", "chain")
+    assert bench.has_flag("fake", "chain") and not bench.has_flag("hf-assisted", "chain")
 
 
 def test_the_table_says_which_methods_a_router_may_move():

@@ -14,15 +14,15 @@ from ..lazy import lazy_names
 # each public name and the module (in this package, or launch/) that defines it
 _EXPORTS = {
     "load_prompts": "..launch.prompts",
-    **dict.fromkeys(("BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "_is", "hf_assisted"), ".peers"),
+    **dict.fromkeys(("BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "has_flag", "hf_assisted"), ".peers"),
     **dict.fromkeys(("plot_acceptance", "plot_speedup", "report", "write_outputs"), ".report"),
     **dict.fromkeys(("check_methods", "default_methods", "needs_draft_model", "parse_methods", "run_bench"), ".run"),
     **dict.fromkeys(("alpha_from_counts", "analytic_bound", "cost_model_bound", "decode_rate", "summarize"),
                     ".summary"),
 }
 
-__all__ = ["BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "hf_assisted", "plot_acceptance", "plot_speedup",
-           "report", "write_outputs", "check_methods", "default_methods", "load_prompts",
+__all__ = ["BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "has_flag", "hf_assisted", "plot_acceptance",
+           "plot_speedup", "report", "write_outputs", "check_methods", "default_methods", "load_prompts",
            "needs_draft_model", "parse_methods", "run_bench", "alpha_from_counts", "analytic_bound",
            "cost_model_bound", "decode_rate", "summarize"]
 

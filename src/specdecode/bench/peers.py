@@ -23,7 +23,7 @@ DRAFT_PEERS = ("hf-assisted", "llama-server-draft")  # the peers that run our dr
 BENCH_METHODS = (*method_names(), *PEERS)
 
 
-def _is(m: str, need: str) -> bool:
+def has_flag(m: str, need: str) -> bool:
     """Whether method m (a name in the method table; a peer never) has the table's flag `need`."""
     return m in METHOD_TABLE and bool(getattr(METHOD_TABLE[m], need))
 

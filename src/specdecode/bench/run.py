@@ -15,7 +15,7 @@ from ..launch.describe import hugepages_status
 from ..methods import BASELINE, DEFAULT_GAMMA, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 from ..request import Request
 from .bound import copied_share, copy_bound
-from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, _is, hf_assisted
+from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, has_flag, hf_assisted
 from .server_peer import SERVER_PEERS, close_peers, make_server_peers
 from .summary import decode_rate, summarize
 
@@ -194,7 +194,7 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
                 "strategies": None, "sources": None}
     g = engine.open(Request(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
                             temperature=temperature, seed=seed, prediction=p.get("prediction"),
-                            **(tree or {} if _is(method, "tree_options") else {}))).run()
+                            **(tree or {} if has_flag(method, "tree_options") else {}))).run()
     s = g.stats
     return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
             "sources": s.sources, "engine": s.engine,
@@ -212,7 +212,7 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
 def _against_a_copy(engine, p: dict, method: str, g) -> dict:
     """With a prediction, for the methods that plan on the measured costs: the share of the answer that copies it,
     and the perfect-copy bound of its decoding on this machine (bench/bound.py)."""
-    if not p.get("prediction") or not _is(method, "uses_cost_model"):
+    if not p.get("prediction") or not has_flag(method, "uses_cost_model"):
         return {}
     s = g.stats
     ids = engine.encode_prediction(p["prediction"])

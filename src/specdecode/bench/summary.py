@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..methods import BASELINE
 from ..stats import decode_rate  # noqa: F401  (bench.decode_rate, as before)
-from .peers import PEERS, _is
+from .peers import PEERS, has_flag
 
 
 def analytic_bound(alpha: float, gamma: int, c: float) -> float:
@@ -114,11 +114,11 @@ def _summarize_method(rs: _Rows, m: str, greedy: bool) -> dict:
     if m not in PEERS and fwd:
         res["mean_accepted_tokens"] = total(m, "new_tokens") / fwd
         res["verify_cost_ratio"] = total(m, "verify_s") / fwd / ar_step if ar_step else None
-    if _is(m, "planned") and fwd:
+    if has_flag(m, "planned") and fwd:
         res["nodes_per_pass"] = total(m, "drafted") / fwd
         res["depth_per_pass"] = total(m, "tree_depth") / fwd
         res.update(rs.planned(m))
-    if _is(m, "drafts") and fwd and ar_step:
+    if has_flag(m, "drafts") and fwd and ar_step:
         # what the drafter costs per target pass, in plain steps (c of a step, whatever it drafted)
         res["draft_cost_per_pass"] = total(m, "draft_s") / fwd / ar_step
     if any(r.get("sources") for r in mine):
@@ -129,7 +129,7 @@ def _summarize_method(rs: _Rows, m: str, greedy: bool) -> dict:
     turns = sorted({r.get("turn", 1) for r in mine})
     if len(turns) > 1:
         res["by_turn"] = _by_turn(mine, turns)
-    if _is(m, "drafts") and total(m, "drafted"):
+    if has_flag(m, "drafts") and total(m, "drafted"):
         _acceptance(rs, m, mine, res)
     if greedy and m != BASELINE:
         res["greedy_agreement"] = sum(r["token_ids"] == rs.ar_ids.get(r["prompt_id"]) for r in mine) / len(mine)
@@ -168,7 +168,7 @@ def _acceptance(rs: _Rows, m: str, mine: list[dict], res: dict) -> None:
     acc, drafted = total(m, "accepted"), total(m, "drafted")
     res["acceptance_rate"] = acc / drafted
     # a tree's α and bound would need its branching: the chain formulas apply to chains only
-    chain = _is(m, "chain")
+    chain = has_flag(m, "chain")
     res["alpha"] = alpha = alpha_from_counts(acc, total(m, "rejections")) if chain else None
     res["draft_cost_ratio"] = c = (total(m, "draft_s") / drafted / ar_step) if ar_step and chain else None
     # the tokens actually drafted per pass: prompt lookup often finds fewer than gamma, or none
@@ -190,6 +190,6 @@ def _category(rs: _Rows, m: str, cat: str) -> dict:
     if m not in PEERS:
         fwd = rs.total(m, "target_forwards", cat)
         bc["mean_accepted_tokens"] = rs.total(m, "new_tokens", cat) / fwd if fwd else None
-    if _is(m, "planned") and rs.total(m, "target_forwards", cat):
+    if has_flag(m, "planned") and rs.total(m, "target_forwards", cat):
         bc.update(rs.planned(m, cat))
     return bc
