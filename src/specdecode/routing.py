@@ -230,7 +230,8 @@ def torch_unsuited(engine: Engine, remeasure: bool = False) -> str | None:
         return None
     ratio = probed_flat_ratio(engine, remeasure)
     if ratio > FLAT_RATIO:
-        return f"a bf16 product over 16 rows costs {ratio:.1f}x one over 1 row here; torch joins at {FLAT_RATIO}x or less"
+        return (f"a bf16 product over 16 rows costs {ratio:.1f}x one over 1 row here; "
+                f"torch joins at {FLAT_RATIO}x or less")
     n, path = getattr(engine.target, "n_params", None), getattr(engine.target, "path", None)
     need = torch_copy_bytes(path, n) if n and path else None  # the first load converts the file: its peak counts
     free = memory_available()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tiny import build_engine, char_tokenizer
 
 from specdecode import Engine, SpecDecodeError
 from specdecode.errors import InvalidField
 from specdecode.planning.costs import CostModel
 from specdecode.routing import Router, flat_ratio, tokens_per_second
+from tiny import build_engine, char_tokenizer
 
 # a compute-bound engine (llama.cpp's Q4 on 2 cores): cheap plain steps, dear wide passes, slow prompt reading
 STEEP = CostModel({1: 1.0, 2: 1.53, 4: 1.53, 8: 2.97, 16: 3.39, 32: 6.1, 64: 12.2}, {})
@@ -150,6 +150,7 @@ def test_a_llama_cpp_generation_beside_a_torch_model_reads_logits_on_one_torch_t
     runs with one (another would spin on a core llama.cpp's threads need) and gives them back; a generation on
     torch keeps them (the control)."""
     import torch
+
     from tinygguf import write_tiny_gguf
     gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
     monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")
@@ -175,9 +176,8 @@ def test_a_routed_generation_runs_on_the_compute_thread(tmp_path, monkeypatch):
     called directly runs its passes on the caller's thread."""
     import threading
 
-    from tinygguf import write_tiny_gguf
-
     from specdecode.backends import compute
+    from tinygguf import write_tiny_gguf
     gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
     monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")
     both = Router.load(str(gguf), None, progress=False, with_draft=False)
@@ -231,7 +231,8 @@ def test_the_prompt_read_price_is_the_best_of_several_reads(tmp_path, monkeypatc
     monkeypatch.setattr(routing.time, "perf_counter", lambda: clock[0])
     assert routing.read_seconds(e, tokens=50) == pytest.approx(1.0 / 50)
     assert len(reads) == routing.READ_REPEATS >= 2
-    assert routing.read_seconds(e, tokens=50) == pytest.approx(1.0 / 50) and len(reads) == routing.READ_REPEATS  # cached
+    # cached
+    assert routing.read_seconds(e, tokens=50) == pytest.approx(1.0 / 50) and len(reads) == routing.READ_REPEATS
     monkeypatch.setattr(routing, "READ_REPEATS", 1)
     reads.clear()
     assert routing.read_seconds(e, tokens=49) == pytest.approx(10.0 / 49)

@@ -7,10 +7,10 @@ import json
 import httpx
 import pytest
 
+from specdecode.cli import main
 from specdecode.loadtest.client import one_request
 from specdecode.loadtest.soak import KIND_WEIGHTS, Traffic, honest_body, malformed_bodies, request_key
 from specdecode.loadtest.soak_check import check_greedy, error_code, judge, markdown, summary
-from specdecode.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,8 @@ def test_a_clean_run_passes_and_each_fault_fails_its_criterion():
     error_event = rec(9, error='stream error event: {"message": "bye", "code": "shutting_down"}', done=False,
                       error_event=True, finish_reason=None)
     assert failing(soak_out(clean + [error_event])) == set()  # an error event is a terminal event
-    crash = rec(10, status=500, error='HTTP 500: {"error": {"message": "internal server error", "code": "internal_error"}}')
+    crash = rec(10, status=500,
+                error='HTTP 500: {"error": {"message": "internal server error", "code": "internal_error"}}')
     busy = rec(11, status=503, error='HTTP 503: {"error": {"message": "busy", "code": "queue_full"}}')
     assert error_code(busy) == "queue_full" and error_code(crash) == "internal_error"
     assert failing(soak_out(clean + [busy])) == set()  # a documented 503

@@ -13,8 +13,16 @@ from pathlib import Path
 from ..cli.args import model_args, sampling_args, speculation_args, tree_kwargs
 from ..cli.load import load_engine
 from ..errors import SpecDecodeError
-from .text import (NoCodeBlock, answer_budget, build_request, extract_block, match_final_newline, read_source,
-                   unified_diff, write_atomically)
+from .text import (
+    NoCodeBlock,
+    answer_budget,
+    build_request,
+    extract_block,
+    match_final_newline,
+    read_source,
+    unified_diff,
+    write_atomically,
+)
 
 
 def add_parser(sub) -> None:
@@ -26,7 +34,8 @@ def add_parser(sub) -> None:
     a.add_argument("--write", action="store_true",
                    help="replace the file (atomically, keeping the old one as FILE.orig) instead of printing the diff")
     a.add_argument("--compare", action="store_true",
-                   help="also run plain decoding (method autoregressive, no prediction) and print the measured speed-up")
+                   help="also run plain decoding (method autoregressive, no prediction) and print the measured "
+                        "speed-up")
     a.add_argument("--server", default=None, metavar="URL",
                    help="send the request to a running `specdecode serve` (e.g. http://127.0.0.1:8000) through "
                         "/v1/chat/completions instead of loading a model here")
@@ -85,7 +94,8 @@ def stats_line(reply: Reply, plain: Reply | None, where: str, greedy: bool = Tru
              f"prediction: {reply.accepted} tokens accepted, {reply.rejected} rejected"]
     if plain is not None:
         base = plain.stats.get("decode_tokens_per_second")
-        same = "" if not greedy else ", same answer" if plain.text == reply.text else ", its answer differs (a near-tie)"
+        same = ("" if not greedy else ", same answer" if plain.text == reply.text
+                else ", its answer differs (a near-tie)")
         parts.append(f"plain decoding {_rate(base)} (measured{same}): {_ratio(rate, base)}")
     elif s.get("plain_step_s"):
         base = 1.0 / s["plain_step_s"]

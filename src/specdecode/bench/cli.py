@@ -42,11 +42,19 @@ def bench(args) -> None:
     from ..cli.extras import require_extra
     require_extra("bench")
     import_frozen(MODEL_IMPORTS)
-    from . import (check_methods, default_methods, load_prompts, needs_draft_model, parse_methods, report,
-                   run_bench, write_outputs)
-    from .server_peer import check_server_peers
     from ..engine import Engine
     from ..methods import DEFAULT_METHOD, names_where
+    from . import (
+        check_methods,
+        default_methods,
+        load_prompts,
+        needs_draft_model,
+        parse_methods,
+        report,
+        run_bench,
+        write_outputs,
+    )
+    from .server_peer import check_server_peers
     methods = parse_methods(args.methods) if args.methods else None
     if args.limit is not None:
         positive_int("--limit", args.limit)

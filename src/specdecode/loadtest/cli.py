@@ -115,8 +115,8 @@ def _prompts(args) -> list[dict]:
 
 def loadtest(args) -> int:
     """Run the load benchmark; 0 when it ran (errors and greedy mismatches are reported, not fatal)."""
-    from ..launch import llama_server as ls
     from ..host import cpu_description
+    from ..launch import llama_server as ls
     from ..launch.describe import hugepages_status
     from ..launch.servers import llama_cpp_server_missing
     from .client import measure_server
@@ -174,9 +174,9 @@ def _measure_peers(args, peers: list[str], prompts: list[dict], levels: list[int
                    log) -> None:
     """--launch: each peer measured at every level (peers.measure_peer), level by level, into
     results["servers"]."""
+    from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
     from ..launch.servers import DEFAULT_CTX
     from .peers import measure_peer
-    from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
     target = args.target or DEFAULT_TARGET
     draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
     threads = args.threads or len(os.sched_getaffinity(0))

@@ -114,8 +114,8 @@ def check_greedy(records: list[dict], recheck: list[dict], tolerance: float = 0.
     bad, near = [], []
     for p in parted:
         at, tie = p["at_char"], (ties or {}).get(str(p["i"]))
-        case = {**p, "alone": p["alone"][max(0, at - 30):at + 40], "under_load": p["under_load"][max(0, at - 30):at + 40],
-                "tie": tie}
+        window = slice(max(0, at - 30), at + 40)
+        case = {**p, "alone": p["alone"][window], "under_load": p["under_load"][window], "tie": tie}
         (near if tie and tie.get("near_tie") else bad).append(case)
     gaps = [abs(c["tie"]["gap"]) for c in near + bad if c["tie"] and c["tie"].get("gap") is not None]
     res = _result(bad + unanswered, judged=compared > 0, compared=compared, mismatches=len(parted),
@@ -286,14 +286,15 @@ def _ms(x) -> str:
 def markdown(summ: dict, criteria: dict, cfg: dict, cpu: str | None = None) -> str:
     verdict = "PASSED" if summ["passed"] else "FAILED"
     lines = [f"# Soak test: {verdict}", "",
-             f"{cfg['minutes']:g} min of load at concurrency {cfg['concurrency']} against `{cfg.get('command') or cfg.get('url')}`"
-             f"; model {summ['model']}; CPU: {cpu or 'unknown'}", "",
+             f"{cfg['minutes']:g} min of load at concurrency {cfg['concurrency']} against "
+             f"`{cfg.get('command') or cfg.get('url')}`; model {summ['model']}; CPU: {cpu or 'unknown'}", "",
              f"Requests: {summ['requests']} under the soak (+ {summ['quiet_requests']} in the quiet run, "
              f"{summ['rechecked']} greedy ones again alone); cut by the deadline: {summ['deadline_cut']}", "",
              "| criterion | result | failures | detail |", "|---|---|---|---|"]
     for name, c in criteria.items():
         result = {True: "pass", False: "**FAIL**", None: "not judged"}[c["pass"]]
-        detail = {k: v for k, v in c.items() if k not in ("pass", "failures", "cases", "quiet", "soak", "near_tie_cases")}
+        detail = {k: v for k, v in c.items()
+                  if k not in ("pass", "failures", "cases", "quiet", "soak", "near_tie_cases")}
         lines.append(f"| {name} | {result} | {c['failures']} | {json.dumps(detail, default=str)[:300]} |")
     lat = criteria["latency"]
     lines += ["", "| latency (ms) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | streams |",
@@ -303,15 +304,16 @@ def markdown(summ: dict, criteria: dict, cfg: dict, cpu: str | None = None) -> s
         lines.append(f"| {name} | {_ms(s['ttft_p50_s'])} | {_ms(s['ttft_p99_s'])} | {_ms(s['itl_p50_s'])} | "
                      f"{_ms(s['itl_p99_s'])} | {_ms(s['e2e_p50_s'])} | {_ms(s['e2e_p99_s'])} | {s['streams']} |")
     mem = criteria["idle_memory"]
-    lines += ["", f"Server RSS when idle: {mem.get('rss_before_mib')} MiB before the load, {mem.get('rss_after_mib')} MiB "
-              f"after it; KV cells in use: {json.dumps(mem.get('kv_cells'))}", ""]
+    lines += ["", f"Server RSS when idle: {mem.get('rss_before_mib')} MiB before the load, "
+              f"{mem.get('rss_after_mib')} MiB after it; KV cells in use: {json.dumps(mem.get('kv_cells'))}", ""]
     for title, table in (("Requests by kind", summ["by_kind"]), ("Requests by variant", summ["by_variant"]),
                          ("Outcomes by status", summ["by_status"]), ("Errors by code", summ["errors_by_code"])):
         lines += [f"## {title}", "", "| | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in table.items()] + [""]
     near = criteria["greedy_alone"].get("near_tie_cases") or []
     if near:
         lines += ["## Greedy answers that parted at a near-tie (first 20)", "",
-                  "| request | parts at char | logit gap (alone) | tie tolerance | alone | under load |", "|---|---|---|---|---|---|"]
+                  "| request | parts at char | logit gap (alone) | tie tolerance | alone | under load |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {c['i']} {c['variant']} | {c['at_char']} | {c['tie']['gap']} | {c['tie']['tie']} | "
                   f"{_cell(c['alone'])} | {_cell(c['under_load'])} |" for c in near] + [""]
     failed = [(name, c) for name, c in criteria.items() if c["cases"]]

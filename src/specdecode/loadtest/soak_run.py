@@ -29,8 +29,9 @@ IDLE_TIMEOUT_S = 120.0
 
 
 class Soak:
-    """One soak run: `run()` returns everything soak_check needs. launcher(): a context manager (launch.servers.Launched)
-    that starts the server and has .url and .proc; None with `url` (a running server: no restart, no memory)."""
+    """One soak run: `run()` returns everything soak_check needs. launcher(): a context manager
+    (launch.servers.Launched) that starts the server and has .url and .proc; None with `url` (a running server: no
+    restart, no memory)."""
 
     def __init__(self, cfg: dict, launcher=None, url: str | None = None, log=print):
         self.cfg, self.launcher, self.log = cfg, launcher, log
@@ -147,7 +148,8 @@ class Soak:
                 rss.append(rss_bytes(self.server.proc.pid))
                 await asyncio.sleep(0.4)
         rss = [x for x in rss if x is not None]
-        return {"health": health, "waited_s": round(time.perf_counter() - t0, 2), "generation": self.state["generation"],
+        return {"health": health, "waited_s": round(time.perf_counter() - t0, 2),
+                "generation": self.state["generation"],
                 "rss_mib": round(statistics.median(rss) / (1 << 20), 1) if rss else None,
                 "gauges": await asyncio.to_thread(_gauges, self.url)}
 

@@ -18,16 +18,24 @@ from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, Response
-from fastapi.staticfiles import StaticFiles
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checks import positive_int
-from ..errors import (InvalidField, MethodNotAllowed, NotFound, RequestTooLarge, ServerFault, SpecDecodeError,
-                      Unauthorized, UnsupportedMediaType)
+from ..errors import (
+    InvalidField,
+    MethodNotAllowed,
+    NotFound,
+    RequestTooLarge,
+    ServerFault,
+    SpecDecodeError,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from ..methods import DEFAULT_GAMMA, DEFAULT_METHOD, METHOD_TABLE, REQUIRED
 from . import GRACEFUL_SHUTDOWN_S, protocol as p
 from .metrics import Metrics
@@ -147,7 +155,7 @@ def too_large(limit: int) -> RequestTooLarge:
     return RequestTooLarge(f"the request body is larger than this server's limit of {limit} bytes")
 
 
-# -- routes: each gets the app's Service from request.app.state ---------------------------------------------------------
+# -- routes: each gets the app's Service from request.app.state --------------------------------------------------------
 ERRORS = {400: {"model": p.ErrorBody, "description": "invalid request"},
           401: {"model": p.ErrorBody, "description": "missing or wrong API key"},
           404: {"model": p.ErrorBody, "description": "unknown model"},
@@ -206,7 +214,8 @@ def _add_routes(app: FastAPI, service: Service, check: BearerKey | None) -> None
     v1.add_api_route("/models/{model:path}", get_model, methods=["GET"], response_model=p.ModelCard,
                      responses={404: ERRORS[404]})
     v1.add_api_route("/completions", completions, methods=["POST"], response_model=p.CompletionResponse,
-                     responses={**ERRORS, 200: {"content": SSE_DOC, "description": "a completion, or events when stream"}})
+                     responses={**ERRORS, 200: {"content": SSE_DOC,
+                                                "description": "a completion, or events when stream"}})
     v1.add_api_route("/chat/completions", chat_completions, methods=["POST"], response_model=p.ChatCompletionResponse,
                      responses={**ERRORS, 200: {"content": SSE_DOC,
                                                 "description": "a chat completion, or events when stream"}})
@@ -286,17 +295,16 @@ def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: in
                show_sources: bool = False, slots=None) -> FastAPI:
     """An OpenAI-compatible app around `engine`.
 
-    model_id: the name clients must send as `model`. method/gamma: the default speculation (a request may
-    override both with `speculation: {"method", "gamma"}`; the Engine checks them per request). api_key:
-    required as `Authorization: Bearer <key>` on /v1/* when set; with protect_all on /metrics and the API docs
-    (/docs, /redoc, /openapi.json) too (/health and the web page stay open). max_queue: requests that may wait while one
-    generates (more get 503). timeout_s: the longest a request may take, waiting included. max_tokens_cap: the
-    largest max_tokens accepted (default and upper bound: the model's context). keepalive_s: seconds between
-    keep-alive comments on a silent stream (queued, or reading its prompt). max_body_bytes: larger request bodies get a 413.
-    show_sources: responses carry per-source draft counts (`speculation.sources`; off: with an output history they
-    tell a client about other outputs). An engine with a history keeps one per API key (Service._history).
-    slots: a slots.Slots on `engine`: its generations run at once, one per slot, sharing their passes (requests
-    are still opened, checked and tokenized on `engine`).
+    model_id: the name clients must send as `model`. method/gamma: the default speculation (a request may override both
+    with `speculation: {"method", "gamma"}`; the Engine checks them per request). api_key: required as `Authorization:
+    Bearer <key>` on /v1/* when set; with protect_all on /metrics and the API docs (/docs, /redoc, /openapi.json) too
+    (/health and the web page stay open). max_queue: requests that may wait while one generates (more get 503).
+    timeout_s: the longest a request may take, waiting included. max_tokens_cap: the largest max_tokens accepted
+    (default and upper bound: the model's context). keepalive_s: seconds between keep-alive comments on a silent stream
+    (queued, or reading its prompt). max_body_bytes: larger request bodies get a 413. show_sources: responses carry
+    per-source draft counts (`speculation.sources`; off: with an output history they tell a client about other outputs).
+    An engine with a history keeps one per API key (Service._history). slots: a slots.Slots on `engine`: its generations
+    run at once, one per slot, sharing their passes (requests are still opened, checked and tokenized on `engine`).
     """
     _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s, keepalive_s, api_key)
     if protect_all and api_key is None:
