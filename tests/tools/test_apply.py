@@ -33,7 +33,8 @@ INSTRUCTION = "Rename add to plus."
     f"```\n{NEW}```\n",
     f"Here is the updated file:\n\n```py\n{NEW}```\n\nI renamed the function.",
     f"~~~python\n{NEW}~~~",
-    f"  ```python\n  {NEW.replace(chr(10) + '    ', chr(10) + '      ')}  ```",  # an indented fence: its indent goes
+    # an indented fence: its indent goes
+    f"  ```python\n  {NEW.replace(chr(10) + '    ', chr(10) + '      ')}  ```",
     f"```python\r\n{NEW.replace(chr(10), chr(13) + chr(10))}```\r\n",
     f"An example:\n```python\nplus(1, 2)\n```\nThe file:\n```python\n{NEW}```\n",  # the longest block is the file
 ], ids=["tagged", "untagged", "prose around", "tildes", "indented", "crlf", "two blocks"])

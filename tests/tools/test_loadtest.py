@@ -363,8 +363,10 @@ def test_like_for_like_compares_requests_of_equal_length_only():
     """Per level, the first server's summed time over another's, over the first round's requests both answered
     with the same number of tokens (texts that end elsewhere are different work)."""
     from specdecode.loadtest.report import like_for_like, markdown
-    req = lambda i, tokens, e2e, c=1, r=1: {"id": i, "concurrency": c, "round": r, "tokens": tokens, "e2e_s": e2e,  # noqa: E731
-                                             "error": None}
+
+    def req(i, tokens, e2e, c=1, r=1):
+        return {"id": i, "concurrency": c, "round": r, "tokens": tokens, "e2e_s": e2e, "error": None}
+
     a = [req("p", 128, 4.0), req("q", 128, 5.0), req("s", 60, 1.0), req("p", 128, 9.0, c=4), req("p", 128, 1.0, r=2),
          req("p", 100, 2.0)]  # the same prompt again in the round: paired with the other's second answer to it
     b = [req("p", 128, 5.0), req("q", 128, 5.0), req("s", 90, 3.0), req("p", 128, 6.0, c=4), req("p", 128, 9.0, r=2),
