@@ -5,6 +5,7 @@
 Same as `specdecode loadtest --build-llama-server`; see specdecode/launch/llama_server.py. The binaries
 land in $SPECDECODE_CACHE (default ~/.cache/specdecode)/llama-server/<llama-cpp-python version>/bin.
 """
+
 from __future__ import annotations
 
 import argparse

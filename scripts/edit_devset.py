@@ -21,6 +21,7 @@ this script is. The same Python and --seed give the same file.
     specdecode bench --prompts ~/.cache/specdecode/devset/edits.jsonl --max-new-tokens 384 \\
         --methods autoregressive,auto,llama.cpp
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,33 @@ from pathlib import Path
 
 CATEGORIES = ("rename", "type_hints", "logging", "default", "docstring")
 LINES = (30, 150)
-FILES = ("json/decoder.py", "json/encoder.py", "argparse.py", "textwrap.py", "difflib.py", "csv.py", "ftplib.py",
-         "shlex.py", "configparser.py", "tarfile.py", "zipfile/__init__.py", "pprint.py", "inspect.py",
-         "tokenize.py", "email/_header_value_parser.py", "http/cookiejar.py", "urllib/parse.py", "calendar.py",
-         "fractions.py", "statistics.py", "heapq.py", "string.py", "gettext.py", "mailbox.py", "smtplib.py")
+FILES = (
+    "json/decoder.py",
+    "json/encoder.py",
+    "argparse.py",
+    "textwrap.py",
+    "difflib.py",
+    "csv.py",
+    "ftplib.py",
+    "shlex.py",
+    "configparser.py",
+    "tarfile.py",
+    "zipfile/__init__.py",
+    "pprint.py",
+    "inspect.py",
+    "tokenize.py",
+    "email/_header_value_parser.py",
+    "http/cookiejar.py",
+    "urllib/parse.py",
+    "calendar.py",
+    "fractions.py",
+    "statistics.py",
+    "heapq.py",
+    "string.py",
+    "gettext.py",
+    "mailbox.py",
+    "smtplib.py",
+)
 
 
 def default_out() -> Path:
@@ -56,7 +80,7 @@ def functions(stdlib: Path):
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef) and LINES[0] <= node.end_lineno - node.lineno + 1 <= LINES[1]:
                 indent = len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())
-                src = "\n".join(line[indent:] for line in lines[node.lineno - 1:node.end_lineno])
+                src = "\n".join(line[indent:] for line in lines[node.lineno - 1 : node.end_lineno])
                 yield rel, node.name, src, node
 
 
@@ -76,17 +100,23 @@ def instruction(category: str, name: str, node: ast.FunctionDef, rng: random.Ran
     if category == "type_hints":
         return "Add type hints to the parameters and the return value of this function. Change nothing else."
     if category == "logging":
-        return (f"Add a `logger.debug(...)` call at the start of `{name}` that logs its arguments "
-                "(assume `logger` is defined at module level). Change nothing else.")
+        return (
+            f"Add a `logger.debug(...)` call at the start of `{name}` that logs its arguments "
+            "(assume `logger` is defined at module level). Change nothing else."
+        )
     if category == "default":
         with_default = [a.arg for a, d in zip(node.args.args[::-1], node.args.defaults[::-1])]
         if not with_default:
             return None
-        return f"Change the default value of the parameter `{rng.choice(with_default)}` to None, and handle None " \
-               "at the start of the function. Change nothing else."
+        return (
+            f"Change the default value of the parameter `{rng.choice(with_default)}` to None, and handle None "
+            "at the start of the function. Change nothing else."
+        )
     if category == "docstring":
-        return "Rewrite the first line of this function's docstring (add one if it has none) so that it says " \
-               "precisely what the function returns. Change nothing else."
+        return (
+            "Rewrite the first line of this function's docstring (add one if it has none) so that it says "
+            "precisely what the function returns. Change nothing else."
+        )
     raise ValueError(category)
 
 
@@ -117,10 +147,17 @@ def whole_files(count: int, seed: int, prediction: str) -> list[dict]:
         category = CATEGORIES[len(rows) % len(CATEGORIES)]
         edit = instruction(category, node.name, node, rng) or instruction("type_hints", node.name, node, rng)
         edit = edit.replace("this function", f"the function `{node.name}`")
-        prompt = (f"In the file below: {edit} Return the whole updated file in one ```python code block and nothing "
-                  f"else.\n\n```python\n{text}```")
-        row = {"question_id": f"file-{len(rows) + 1:02d}", "category": "whole_file", "turns": [prompt],
-               "source": {"file": rel, "function": node.name, "lines": text.count("\n")}, "licence": "PSF-2.0"}
+        prompt = (
+            f"In the file below: {edit} Return the whole updated file in one ```python code block and nothing "
+            f"else.\n\n```python\n{text}```"
+        )
+        row = {
+            "question_id": f"file-{len(rows) + 1:02d}",
+            "category": "whole_file",
+            "turns": [prompt],
+            "source": {"file": rel, "function": node.name, "lines": text.count("\n")},
+            "licence": "PSF-2.0",
+        }
         if prediction == "original":
             row["prediction"] = f"```python\n{text}```"
         elif prediction == "wrong":
@@ -145,10 +182,17 @@ def build(per_category: int, seed: int, prediction: str) -> list[dict]:
             if text is None:
                 continue
             made += 1
-            prompt = (f"{text} Return the whole function in one ```python code block and nothing else.\n\n"
-                      f"```python\n{src}\n```")
-            row = {"question_id": f"{category}-{made:02d}", "category": category, "turns": [prompt],
-                   "source": {"file": rel, "function": name, "lines": src.count("\n") + 1}, "licence": "PSF-2.0"}
+            prompt = (
+                f"{text} Return the whole function in one ```python code block and nothing else.\n\n"
+                f"```python\n{src}\n```"
+            )
+            row = {
+                "question_id": f"{category}-{made:02d}",
+                "category": category,
+                "turns": [prompt],
+                "source": {"file": rel, "function": name, "lines": src.count("\n") + 1},
+                "licence": "PSF-2.0",
+            }
             if prediction == "original":
                 row["prediction"] = f"```python\n{src}\n```"
             elif prediction == "wrong":  # another function: nothing of it is the answer
@@ -164,8 +208,12 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=3, help="tasks per category (default 3: 15 tasks)")
     ap.add_argument("--whole-files", type=int, default=0, help="whole-file tasks to add (default 0)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prediction", choices=("original", "none", "wrong"), default="original",
-                    help="the prediction each task sends: the original function (default), none, or another one")
+    ap.add_argument(
+        "--prediction",
+        choices=("original", "none", "wrong"),
+        default="original",
+        help="the prediction each task sends: the original function (default), none, or another one",
+    )
     args = ap.parse_args()
     rows = build(args.per_category, args.seed, args.prediction) if args.per_category else []
     rows += whole_files(args.whole_files, args.seed, args.prediction)

@@ -13,6 +13,7 @@ Writes results.json and report.md to --out. Run it on a quiet machine.
     python scripts/exact_bench.py --humaneval 20 --mtbench 10 --out exact-out
     python scripts/exact_bench.py --backend torch --dtype bf16 --humaneval 20 --mtbench 10 --out ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,19 @@ def peer_ids(llm, ids, n, eos):
 def hf_peer_ids(model, ids, n, eos):
     """transformers' own greedy generation on the torch target's weights (its own KV cache and kernels)."""
     import torch
+
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_k=None, top_p=None,
-                             temperature=None, pad_token_id=min(eos), eos_token_id=sorted(eos))
-    return [int(t) for t in out[0, len(ids):]]
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            pad_token_id=min(eos),
+            eos_token_id=sorted(eos),
+        )
+    return [int(t) for t in out[0, len(ids) :]]
 
 
 def main() -> None:
@@ -83,8 +93,11 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", choices=["auto", "llama.cpp", "torch"])
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="torch: the weights' type")
     ap.add_argument("--target", default=None, help="default: the default pair")
-    ap.add_argument("--resume", default=None, help="a results.json of an earlier run cut off: its rows are kept and "
-                    "its prompts skipped")
+    ap.add_argument(
+        "--resume",
+        default=None,
+        help="a results.json of an earlier run cut off: its rows are kept and its prompts skipped",
+    )
     ap.add_argument("--draft", default=None)
     a = ap.parse_args()
     load = dict(target=a.target, draft=a.draft, progress=False, backend=a.backend, dtype=a.dtype)
@@ -93,8 +106,17 @@ def main() -> None:
     limits = exact.exact_limits()
     if exact.backend == "llama.cpp":
         from llama_cpp import Llama
-        llm = Llama(str(exact.target.gguf_path), n_ctx=4096, n_threads=exact.target.threads,
-                    n_threads_batch=exact.target.threads, n_batch=512, n_ubatch=512, flash_attn=True, verbose=False)
+
+        llm = Llama(
+            str(exact.target.gguf_path),
+            n_ctx=4096,
+            n_threads=exact.target.threads,
+            n_threads_batch=exact.target.threads,
+            n_batch=512,
+            n_ubatch=512,
+            flash_attn=True,
+            verbose=False,
+        )
         peer, peer_name = (lambda ids, n: peer_ids(llm, ids, n, exact.eos_ids)), "llama-cpp-python (FA on)"
     else:
         peer_name = "transformers generate"
@@ -104,7 +126,7 @@ def main() -> None:
     for engine, ms in ((exact, ["autoregressive", *methods]), (default, ["autoregressive", "auto"])):
         for m in ms:  # one-time measurements (pass costs, exact pass sizes) out of the timed runs
             engine.generate("def f(x):", method=m, max_new_tokens=8)
-    for cat, prompt in prompts(a.humaneval, a.mtbench, a.longprompt, a.long)[len(rows):]:
+    for cat, prompt in prompts(a.humaneval, a.mtbench, a.longprompt, a.long)[len(rows) :]:
         ids = exact.encode(prompt)
         r = {"category": cat, "prompt_tokens": len(ids), "wall": {}, "tokens": {}, "tau": {}, "same": {}}
         ref, r["wall"]["exact/autoregressive"] = timed(exact, prompt, "autoregressive", a.max_new_tokens)
@@ -120,26 +142,35 @@ def main() -> None:
             r["tokens"][f"default/{m}"] = len(out.token_ids)
             r["tau"][f"default/{m}"] = out.stats.mean_accepted_tokens
         rows.append(r)
-        print(cat, len(ids), r["same"],
-              {k: round(v, 2) for k, v in r["wall"].items()}, flush=True)
+        print(cat, len(ids), r["same"], {k: round(v, 2) for k, v in r["wall"].items()}, flush=True)
         write(Path(a.out), exact, limits, peer_name, methods, a.max_new_tokens, rows)  # after every prompt: a cut-off
-    print((Path(a.out) / "report.md").read_text())                                     # run keeps what it had
+    print((Path(a.out) / "report.md").read_text())  # run keeps what it had
 
 
 def write(out: Path, exact, limits, peer_name: str, methods: list[str], max_new_tokens: int, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    report = {"cpu": cpu_description(), "backend": exact.backend, "target": exact.target.name,
-              "dtype": str(exact.target.dtype), "peer": peer_name, "limits": limits.__dict__,
-              "max_new_tokens": max_new_tokens, "rows": rows}
+    report = {
+        "cpu": cpu_description(),
+        "backend": exact.backend,
+        "target": exact.target.name,
+        "dtype": str(exact.target.dtype),
+        "peer": peer_name,
+        "limits": limits.__dict__,
+        "max_new_tokens": max_new_tokens,
+        "rows": rows,
+    }
     (out / "results.json").write_text(json.dumps(report, indent=1))
-    lines = ["# Exact greedy mode on the default pair\n", f"{report['cpu']}\n",
-             f"Measured exact pass sizes: up to {limits.max_pass} tokens, trees {'yes' if limits.trees else 'no'}.\n",
-             f"Methods in exact mode: {', '.join(methods)}.\n",
-             f"Backend: {exact.backend}, target {exact.target.name} ({exact.target.dtype}).\n",
-             f"| category | prompts | all methods = exact autoregressive | exact AR = {peer_name} | "
-             "exact AR / default AR (time) | exact auto / default auto | exact auto / default AR | τ exact auto | "
-             "τ default auto | median per prompt: exact AR / default AR, exact auto / default auto |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Exact greedy mode on the default pair\n",
+        f"{report['cpu']}\n",
+        f"Measured exact pass sizes: up to {limits.max_pass} tokens, trees {'yes' if limits.trees else 'no'}.\n",
+        f"Methods in exact mode: {', '.join(methods)}.\n",
+        f"Backend: {exact.backend}, target {exact.target.name} ({exact.target.dtype}).\n",
+        f"| category | prompts | all methods = exact autoregressive | exact AR = {peer_name} | "
+        "exact AR / default AR (time) | exact auto / default auto | exact auto / default AR | τ exact auto | "
+        "τ default auto | median per prompt: exact AR / default AR, exact auto / default auto |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for cat in sorted({r["category"] for r in rows}):
         rs = [r for r in rows if r["category"] == cat]
         w = lambda k: sum(r["wall"][k] for r in rs)  # noqa: E731
@@ -147,15 +178,19 @@ def write(out: Path, exact, limits, peer_name: str, methods: list[str], max_new_
         tau = lambda k: sum(r["tau"][k] for r in rs) / len(rs)  # noqa: E731
         same = sum(all(r["same"][m] for m in methods) for r in rs)
         peer_same = sum(r["same"]["peer"] for r in rs)
-        lines.append(f"| {cat} | {len(rs)} | {same}/{len(rs)} | {peer_same}/{len(rs)} | "
-                     f"{w('exact/autoregressive') / w('default/autoregressive'):.3f} | "
-                     f"{w('exact/auto') / w('default/auto'):.3f} | "
-                     f"{w('exact/auto') / w('default/autoregressive'):.3f} | "
-                     f"{tau('exact/auto'):.2f} | {tau('default/auto'):.2f} | "
-                     f"{med('exact/autoregressive', 'default/autoregressive'):.3f}, "
-                     f"{med('exact/auto', 'default/auto'):.3f} |")
-    lines.append("\nRatios are wall-time ratios summed over the category's prompts (>1: exact mode is slower). "
-                 "HumanEval: MIT; MT-bench questions: Apache-2.0.")
+        lines.append(
+            f"| {cat} | {len(rs)} | {same}/{len(rs)} | {peer_same}/{len(rs)} | "
+            f"{w('exact/autoregressive') / w('default/autoregressive'):.3f} | "
+            f"{w('exact/auto') / w('default/auto'):.3f} | "
+            f"{w('exact/auto') / w('default/autoregressive'):.3f} | "
+            f"{tau('exact/auto'):.2f} | {tau('default/auto'):.2f} | "
+            f"{med('exact/autoregressive', 'default/autoregressive'):.3f}, "
+            f"{med('exact/auto', 'default/auto'):.3f} |"
+        )
+    lines.append(
+        "\nRatios are wall-time ratios summed over the category's prompts (>1: exact mode is slower). "
+        "HumanEval: MIT; MT-bench questions: Apache-2.0."
+    )
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 

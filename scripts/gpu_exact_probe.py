@@ -17,6 +17,7 @@ measurement checked passes at even positions only.
 
     python scripts/gpu_exact_probe.py --model-dir DIR --prompts FILE --out DIR [--probe]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,8 +82,14 @@ def main() -> None:
     t0 = time.perf_counter()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else a.device, "torch": torch.__version__,
-           "model": a.model_dir, "weights": "random (shapes of the default pair's target)", "dtype": "bf16", "rows": []}
+    res = {
+        "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else a.device,
+        "torch": torch.__version__,
+        "model": a.model_dir,
+        "weights": "random (shapes of the default pair's target)",
+        "dtype": "bf16",
+        "rows": [],
+    }
     save = lambda: (out / "results.json").write_text(json.dumps(res, indent=1))  # noqa: E731
     model = build(a.model_dir, 0, a.device)
     tok = AutoTokenizer.from_pretrained(a.model_dir)

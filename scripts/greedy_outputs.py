@@ -5,6 +5,7 @@ codes (PYTHONPATH=<worktree>/src) and compare the files: the check behind "The f
 
     python scripts/greedy_outputs.py OUT.json [DATA_DIR]   (DATA_DIR: humaneval.jsonl and mt_bench.jsonl)
 """
+
 import json
 import sys
 import time
@@ -24,8 +25,13 @@ def main(out_path: str, data: str = "../shared/data") -> None:
         tokens, n, t0 = [], 0, time.perf_counter()
         for i, prompt in enumerate(he + mt):
             chat = i >= len(he)
-            r = engine.generate([{"role": "user", "content": prompt}] if chat else prompt, method=method,
-                                max_new_tokens=48, temperature=0.0, chat=chat)
+            r = engine.generate(
+                [{"role": "user", "content": prompt}] if chat else prompt,
+                method=method,
+                max_new_tokens=48,
+                temperature=0.0,
+                chat=chat,
+            )
             tokens.append(r.token_ids)
             n += len(r.token_ids)
         res[method] = {"tokens": tokens, "tok_s": n / (time.perf_counter() - t0)}

@@ -14,6 +14,7 @@ how many), the longest between two pieces of streamed text, decode tokens per se
 the contexts made while the generation ran (after its prompt was read; 0 expected) and the target's cells at the end;
 exits 1 if the longest token gap is over --max-gap-s (default 2).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,10 @@ from pathlib import Path
 
 from specdecode import Engine
 
-INSTRUCTION = ("Rename every local variable called `result` to `out` in the file below. Return the whole updated file "
-               "in one ```python code block, nothing else.\n\n")
+INSTRUCTION = (
+    "Rename every local variable called `result` to `out` in the file below. Return the whole updated file "
+    "in one ```python code block, nothing else.\n\n"
+)
 
 
 def source_file(engine: Engine, tokens: int) -> str:
@@ -66,13 +69,16 @@ def main() -> int:
     target, made = engine.target, []
     new_context = getattr(target, "_new_context", None)
     if new_context is not None:  # llama.cpp: count the contexts made once the prompt is in the cache
+
         def spy(cells):
             made.append(len(target.ids))
             new_context(cells)
+
         target._new_context = spy
 
-    stream = engine.stream(prompt, chat=not args.raw, method=args.method, max_new_tokens=args.max_tokens,
-                           prediction=prediction)
+    stream = engine.stream(
+        prompt, chat=not args.raw, method=args.method, max_new_tokens=args.max_tokens, prediction=prediction
+    )
     steps, texts = [], []  # (seconds, tokens so far) at each step of the loop; seconds at each piece of text
 
     def timed(inner):
@@ -81,6 +87,7 @@ def main() -> int:
             n += len(new)
             steps.append((time.perf_counter(), n))
             yield new
+
     stream.steps = timed(stream.steps)
     t0 = time.perf_counter()
     for _ in stream:
@@ -89,17 +96,23 @@ def main() -> int:
     token_gap, after = max(((b[0] - a[0], a[1]) for a, b in zip(steps, steps[1:])), default=(0.0, 0))
     text_gap = max((b - a for a, b in zip(texts, texts[1:])), default=0.0)
     first = steps[0][0] - t0 if steps else None
-    report = {"method": args.method, "prediction": not args.no_prediction, "prompt_tokens": stats.prompt_tokens,
-              "new_tokens": stats.new_tokens, "finish_reason": stats.finish_reason,
-              "ttft_s": None if first is None else round(first, 2),
-              # between two steps that emitted tokens (the check), and between two pieces of streamed text (a
-              # piece may wait for the bytes of a character, or for a stop string to be ruled out)
-              "longest_token_gap_s": round(token_gap, 3), "longest_gap_after_tokens": after,
-              "longest_text_gap_s": round(text_gap, 3),
-              "decode_tokens_per_s": round(stats.new_tokens / max(1e-9, steps[-1][0] - steps[0][0]), 2) if steps else 0,
-              "draft_catchup_s": round(stats.catchup_s, 2),
-              "contexts_made_mid_generation": sum(1 for n in made if n > 0),
-              "target_cells": getattr(target, "_cells", None)}
+    report = {
+        "method": args.method,
+        "prediction": not args.no_prediction,
+        "prompt_tokens": stats.prompt_tokens,
+        "new_tokens": stats.new_tokens,
+        "finish_reason": stats.finish_reason,
+        "ttft_s": None if first is None else round(first, 2),
+        # between two steps that emitted tokens (the check), and between two pieces of streamed text (a
+        # piece may wait for the bytes of a character, or for a stop string to be ruled out)
+        "longest_token_gap_s": round(token_gap, 3),
+        "longest_gap_after_tokens": after,
+        "longest_text_gap_s": round(text_gap, 3),
+        "decode_tokens_per_s": round(stats.new_tokens / max(1e-9, steps[-1][0] - steps[0][0]), 2) if steps else 0,
+        "draft_catchup_s": round(stats.catchup_s, 2),
+        "contexts_made_mid_generation": sum(1 for n in made if n > 0),
+        "target_cells": getattr(target, "_cells", None),
+    }
     print(json.dumps(report), flush=True)
     return 0 if token_gap <= args.max_gap_s else 1
 

@@ -20,6 +20,7 @@ site-packages and --seed give the same file.
     python scripts/longprompt_devset.py                      # -> $SPECDECODE_CACHE/devset/longprompt.jsonl
     specdecode bench --prompts ~/.cache/specdecode/devset/longprompt.jsonl --methods autoregressive,auto,llama.cpp
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,11 @@ from pathlib import Path
 CATEGORIES = ("summary", "doc_qa", "code_edit", "translation")
 CHARS_PER_TOKEN = 4  # the approximation of prompt length in tokens
 TEXT_SUFFIXES = (".md", ".rst", ".txt")
-SKIP_NAMES = re.compile(r"licen[cs]e|copying|notice|authors|contributors|entry_points|top_level|requires|"
-                        r"dependency_links|sources|installed-files|record|wheel|zip-safe|api_tests", re.I)
+SKIP_NAMES = re.compile(
+    r"licen[cs]e|copying|notice|authors|contributors|entry_points|top_level|requires|"
+    r"dependency_links|sources|installed-files|record|wheel|zip-safe|api_tests",
+    re.I,
+)
 CODE_LINES = (60, 200)
 EXCLUDE = {"specdecode"}  # our own package: its README is the project's, and changes with it
 
@@ -73,13 +77,17 @@ def default_site_packages() -> list[Path]:
 
 # ------------------------------------------------------------------ licences and the files of a package
 
+
 def licence_of(meta) -> str | None:
     """The licence a distribution's METADATA states, or None where it states none."""
     expr = (meta.get("License-Expression") or "").strip()
     if expr:
         return expr
-    classifiers = [c.split("::")[-1].strip() for c in meta.get_all("Classifier") or []
-                   if c.startswith("License ::") and c.split("::")[-1].strip() not in ("OSI Approved", "")]
+    classifiers = [
+        c.split("::")[-1].strip()
+        for c in meta.get_all("Classifier") or []
+        if c.startswith("License ::") and c.split("::")[-1].strip() not in ("OSI Approved", "")
+    ]
     if classifiers:
         return "; ".join(dict.fromkeys(classifiers))
     text = (meta.get("License") or "").strip()
@@ -124,13 +132,32 @@ def packages(roots: list[Path]) -> list[dict]:
             body = meta.get_payload() or ""
             if isinstance(body, list):
                 body = ""
-            out.append({"name": meta["Name"], "version": meta.get("Version", ""), "licence": licence, "root": root,
-                        "dist_info": dist_info.name, "description": body or (meta.get("Description") or ""),
-                        # vendored copies (pip/_vendor/...) carry their own licences: left out
-                        "docs": [f for f in files if f.lower().endswith(TEXT_SUFFIXES) and "_vendor" not in f
-                                 and not SKIP_NAMES.search(Path(f).name)],
-                        "sources": [f for f in files if f.endswith(".py") and "/tests/" not in f"/{f}"
-                                    and "_vendor" not in f and not Path(f).name.startswith("test_")]})
+            out.append(
+                {
+                    "name": meta["Name"],
+                    "version": meta.get("Version", ""),
+                    "licence": licence,
+                    "root": root,
+                    "dist_info": dist_info.name,
+                    "description": body or (meta.get("Description") or ""),
+                    # vendored copies (pip/_vendor/...) carry their own licences: left out
+                    "docs": [
+                        f
+                        for f in files
+                        if f.lower().endswith(TEXT_SUFFIXES)
+                        and "_vendor" not in f
+                        and not SKIP_NAMES.search(Path(f).name)
+                    ],
+                    "sources": [
+                        f
+                        for f in files
+                        if f.endswith(".py")
+                        and "/tests/" not in f"/{f}"
+                        and "_vendor" not in f
+                        and not Path(f).name.startswith("test_")
+                    ],
+                }
+            )
     out.sort(key=lambda p: (p["name"].lower(), p["version"], str(p["root"])))
     return out
 
@@ -138,8 +165,10 @@ def packages(roots: list[Path]) -> list[dict]:
 # ------------------------------------------------------------------ texts
 
 # badges, images and lines of bare HTML markup (an <a ...> around a removed badge...)
-BADGE = re.compile(r"^\s*(\[!\[|!\[|\.\. image::|\.\. \|.*\| image::|<img |<a href=.*<img|<p align|"
-                   r"\s*:(target|alt|width|height|align):|(</?[a-zA-Z][^>]*>\s*)+$)")
+BADGE = re.compile(
+    r"^\s*(\[!\[|!\[|\.\. image::|\.\. \|.*\| image::|<img |<a href=.*<img|<p align|"
+    r"\s*:(target|alt|width|height|align):|(</?[a-zA-Z][^>]*>\s*)+$)"
+)
 
 
 def clean(text: str) -> str:
@@ -221,56 +250,78 @@ def doc_texts(pkg: dict) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------ the tasks
 
+
 def _summary(rng, pkg, text):
     form = rng.choice(["in one paragraph", "in five bullet points", "in three to five sentences"])
-    return (f"Summarize the following text from the documentation of the Python package {pkg['name']} {form}. "
-            f"Keep the names of functions, options and commands exactly as they are written.\n\n---\n{text}\n---")
+    return (
+        f"Summarize the following text from the documentation of the Python package {pkg['name']} {form}. "
+        f"Keep the names of functions, options and commands exactly as they are written.\n\n---\n{text}\n---"
+    )
 
 
 def _doc_qa(rng, pkg, text):
     name = pkg["name"]
-    asks = [f"Using only the text below, explain what {name} is for and describe its main features, quoting "
-            "the names it uses."]
+    asks = [
+        f"Using only the text below, explain what {name} is for and describe its main features, quoting "
+        "the names it uses."
+    ]
     if re.search(r"pip install|conda install|\binstall", text, re.I):
-        asks.append(f"Using only the text below, explain how to install {name} and how to use it, with the "
-                    "commands or code it gives.")
+        asks.append(
+            f"Using only the text below, explain how to install {name} and how to use it, with the "
+            "commands or code it gives."
+        )
     names = sorted(set(re.findall(r"`{1,2}([A-Za-z_][\w.]*)\(?\)?`{1,2}", text)))
     if len(names) >= 3:
-        asks.append("Using only the text below, list the functions, classes, options or commands it describes, "
-                    "each with a one-line explanation taken from the text.")
+        asks.append(
+            "Using only the text below, list the functions, classes, options or commands it describes, "
+            "each with a one-line explanation taken from the text."
+        )
     heads = [h.strip("# ").strip() for h in re.findall(r"^#{1,4} .+$", text, re.M)]
     heads += [m.group(1).strip() for m in re.finditer(r"^(.+)\n[=\-~^]{3,}\s*$", text, re.M)]
     heads = [h for h in heads if 3 <= len(h) <= 60]
     if len(heads) >= 2:
         h = rng.choice(heads[1:])
-        asks.append(f"Using only the text below, explain what the section \"{h}\" says, in your own words but "
-                    "keeping its code and names exactly.")
+        asks.append(
+            f'Using only the text below, explain what the section "{h}" says, in your own words but '
+            "keeping its code and names exactly."
+        )
     ask = rng.choice(asks)
     return f"{ask} If the text does not say, answer that it does not.\n\n---\n{text}\n---"
 
 
 def _translation(rng, pkg, text):
-    return ("Translate the following text into French. Keep the Markdown or reStructuredText markup, the code, "
-            "the names of functions, options and commands, and the links unchanged; translate everything else."
-            f"\n\n---\n{text}\n---")
+    return (
+        "Translate the following text into French. Keep the Markdown or reStructuredText markup, the code, "
+        "the names of functions, options and commands, and the links unchanged; translate everything else."
+        f"\n\n---\n{text}\n---"
+    )
 
 
 def code_requests(rng, tree: ast.Module, source: str) -> list[str]:
     funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    asks = ["Add type hints and docstrings to every function in the following Python file; change nothing "
-            "else. Return the whole file.",
-            "Add a short comment above every function in the following Python file that says what it does, and "
-            "a module docstring if it has none. Return the whole updated file."]
+    asks = [
+        "Add type hints and docstrings to every function in the following Python file; change nothing "
+        "else. Return the whole file.",
+        "Add a short comment above every function in the following Python file that says what it does, and "
+        "a module docstring if it has none. Return the whole updated file.",
+    ]
     public = sorted({f.name for f in funcs if not f.name.startswith("__") and len(f.name.strip("_")) >= 3})
     if public:
         old = rng.choice(public)
-        new = next(n for n in (f"{old.lstrip('_')}_impl", f"do_{old.lstrip('_')}", f"{old}_v2")
-                   if not re.search(rf"\b{re.escape(n)}\b", source))
-        asks.append(f"Rename the function {old} to {new} in the following Python file, updating every call "
-                    "and reference to it. Return the whole updated file.")
+        new = next(
+            n
+            for n in (f"{old.lstrip('_')}_impl", f"do_{old.lstrip('_')}", f"{old}_v2")
+            if not re.search(rf"\b{re.escape(n)}\b", source)
+        )
+        asks.append(
+            f"Rename the function {old} to {new} in the following Python file, updating every call "
+            "and reference to it. Return the whole updated file."
+        )
     if re.search(r"%\s*\(|\"\s*%\s|'\s*%\s|\.format\(", source):
-        asks.append("Rewrite every %-formatting and str.format() call in the following Python file as an "
-                    "f-string, changing nothing else. Return the whole updated file.")
+        asks.append(
+            "Rewrite every %-formatting and str.format() call in the following Python file as an "
+            "f-string, changing nothing else. Return the whole updated file."
+        )
     return asks
 
 
@@ -278,8 +329,9 @@ def _code_edit(rng, pkg, rel, source, tree):
     return f"{rng.choice(code_requests(rng, tree, source))}\n\n# {rel}\n```python\n{source.rstrip()}\n```"
 
 
-def build(roots: list[Path], per_category: int = 5, seed: int = 0, min_tokens: int = 600,
-          max_tokens: int = 2000) -> list[dict]:
+def build(
+    roots: list[Path], per_category: int = 5, seed: int = 0, min_tokens: int = 600, max_tokens: int = 2000
+) -> list[dict]:
     rng = random.Random(seed)
     pkgs = packages(roots)
     # the prompt's own words cost ~60-80 tokens: the text gets the rest of the range
@@ -302,8 +354,9 @@ def build(roots: list[Path], per_category: int = 5, seed: int = 0, min_tokens: i
                 tree = ast.parse(src)
             except (SyntaxError, ValueError):
                 continue
-            if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in tree.body) or \
-                    any(isinstance(n, ast.ClassDef) for n in tree.body):
+            if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in tree.body) or any(
+                isinstance(n, ast.ClassDef) for n in tree.body
+            ):
                 codes.append((pkg, rel, src, tree))
     rng.shuffle(texts)
     rng.shuffle(codes)
@@ -330,9 +383,16 @@ def build(roots: list[Path], per_category: int = 5, seed: int = 0, min_tokens: i
         if not min_tokens <= tokens <= max_tokens:
             return False
         n = sum(r["category"] == category for r in rows) + 1
-        rows.append({"question_id": f"{category}-{n:02d}", "category": category, "turns": [prompt],
-                     "source": {"package": pkg["name"], "version": pkg["version"], "file": rel},
-                     "licence": pkg["licence"], "approx_tokens": tokens})
+        rows.append(
+            {
+                "question_id": f"{category}-{n:02d}",
+                "category": category,
+                "turns": [prompt],
+                "source": {"package": pkg["name"], "version": pkg["version"], "file": rel},
+                "licence": pkg["licence"],
+                "approx_tokens": tokens,
+            }
+        )
         return True
 
     makers = {"summary": _summary, "doc_qa": _doc_qa, "translation": _translation}
@@ -347,17 +407,27 @@ def build(roots: list[Path], per_category: int = 5, seed: int = 0, min_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--site-packages", action="append", type=Path, default=None,
-                    help="a folder of installed distributions (*.dist-info); repeatable (default: the active "
-                         "Python's site-packages)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--site-packages",
+        action="append",
+        type=Path,
+        default=None,
+        help="a folder of installed distributions (*.dist-info); repeatable (default: the active "
+        "Python's site-packages)",
+    )
     ap.add_argument("--per-category", type=int, default=5, help="prompts per category (default 5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-tokens", type=int, default=600, help="shortest prompt, in approximate tokens")
     ap.add_argument("--max-tokens", type=int, default=2000, help="longest prompt, in approximate tokens")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSONL file to write (default: <specdecode cache>/devset/longprompt.jsonl)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSONL file to write (default: <specdecode cache>/devset/longprompt.jsonl)",
+    )
     args = ap.parse_args(argv)
     if args.per_category <= 0 or not 0 < args.min_tokens < args.max_tokens:
         ap.error("--per-category must be positive and 0 < --min-tokens < --max-tokens")
@@ -367,12 +437,18 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     counts = {c: sum(r["category"] == c for r in rows) for c in CATEGORIES}
-    print(f"wrote {len(rows)} prompts to {out}: " + ", ".join(f"{c} {n}" for c, n in counts.items()) +
-          f" (from {len({r['source']['package'] for r in rows})} packages in {', '.join(map(str, roots))})")
+    print(
+        f"wrote {len(rows)} prompts to {out}: "
+        + ", ".join(f"{c} {n}" for c, n in counts.items())
+        + f" (from {len({r['source']['package'] for r in rows})} packages in {', '.join(map(str, roots))})"
+    )
     short = [c for c, n in counts.items() if n < args.per_category]
     if short:
-        print(f"fewer than {args.per_category} prompts for: {', '.join(short)} (not enough licensed texts of "
-              "that length)", file=sys.stderr)
+        print(
+            f"fewer than {args.per_category} prompts for: {', '.join(short)} (not enough licensed texts of "
+            "that length)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -6,6 +6,7 @@
 DEVSET.jsonl: rows with `turns` (the first row's first turn opens the chat), e.g. from scripts/longprompt_devset.py.
 MODEL: the model id the server serves (default qwen2.5-coder-1.5b-instruct).
 """
+
 import json
 import sys
 import time
@@ -21,8 +22,14 @@ model = sys.argv[3] if len(sys.argv) > 3 else "qwen2.5-coder-1.5b-instruct"
 
 def turn(msgs):
     t0, first, text = time.perf_counter(), None, ""
-    body = {"model": model, "messages": msgs, "max_tokens": 32, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": msgs,
+        "max_tokens": 32,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -38,8 +45,9 @@ def turn(msgs):
 out = []
 for k in range(3):
     f, tot, text, usage = turn(msgs)
-    out.append({"turn": k + 1, "prompt_tokens": usage["prompt_tokens"], "ttft_s": round(f, 2),
-                "total_s": round(tot, 2)})
+    out.append(
+        {"turn": k + 1, "prompt_tokens": usage["prompt_tokens"], "ttft_s": round(f, 2), "total_s": round(tot, 2)}
+    )
     print(out[-1], flush=True)
     follow_up = ["Say more.", "And then?", "Thanks."][k]
     msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": follow_up}]

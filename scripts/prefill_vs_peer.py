@@ -6,6 +6,7 @@ GGUF file, threads and prompt: where does plain decoding lose to the peer?
 Prints seconds of the prefill and of one decode step (median) for: ours as configured, ours with flash
 attention off (the peer's default), and the peer (Llama.eval / one more token).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ def ours(path, threads, ids, steps, **kw):
 
 def peer(path, threads, ids, steps):
     from llama_cpp import Llama
-    llm = Llama(model_path=str(path), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
-                verbose=False)
+
+    llm = Llama(
+        model_path=str(path), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, verbose=False
+    )
     llm.eval(ids[:64])
     llm.reset()
     t = time.perf_counter()
@@ -58,12 +61,16 @@ def main():
     path, threads = target.path, target.threads
     del target
     text = open(__file__).read() * 20
-    ids = tok(text)["input_ids"][:args.tokens]
+    ids = tok(text)["input_ids"][: args.tokens]
     import llama_cpp as lc
-    runs = {"ours (flash attention auto)": lambda: ours(path, threads, ids, args.steps),
-            "ours (flash attention off)": lambda: ours(path, threads, ids, args.steps,
-                                                       flash_attn=lc.LLAMA_FLASH_ATTN_TYPE_DISABLED),
-            "llama-cpp-python Llama": lambda: peer(path, threads, ids, args.steps)}
+
+    runs = {
+        "ours (flash attention auto)": lambda: ours(path, threads, ids, args.steps),
+        "ours (flash attention off)": lambda: ours(
+            path, threads, ids, args.steps, flash_attn=lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ),
+        "llama-cpp-python Llama": lambda: peer(path, threads, ids, args.steps),
+    }
     results = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved
         for name, run in runs.items():
@@ -71,8 +78,10 @@ def main():
     for name, rs in results.items():
         pf = min(r[0] for r in rs)
         st = min(r[1] for r in rs)
-        print(f"{name:32s} prefill {len(ids) - 1} tokens {pf:6.2f} s ({(len(ids) - 1) / pf:5.1f} tok/s), "
-              f"decode step at that context {st * 1000:6.1f} ms")
+        print(
+            f"{name:32s} prefill {len(ids) - 1} tokens {pf:6.2f} s ({(len(ids) - 1) / pf:5.1f} tok/s), "
+            f"decode step at that context {st * 1000:6.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ decoding, the share of the perfect-copy bound (bench/bound.py) and the realised 
     python scripts/replay_copies.py out/results.json edits.jsonl ~/.cache/specdecode/costs/<key>.json \\
         --tokenizer ~/.cache/specdecode/tokenizers/<target>
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,15 @@ def replay(prompt_ids: list[int], prediction_ids, answer: list[int], costs: Cost
     """(modelled seconds, steps) of the answer after its first token, as the auto drafter without a model plans it."""
     state = TreeState()
     state.measure = True
-    drafter = TreeDrafter(None, pld=True, costs=costs, state=state, lazy=True, remaining=len(answer),
-                          lookup=Lookup(None, None, copies=followed(prompt_ids, prediction_ids)))
+    drafter = TreeDrafter(
+        None,
+        pld=True,
+        costs=costs,
+        state=state,
+        lazy=True,
+        remaining=len(answer),
+        lookup=Lookup(None, None, copies=followed(prompt_ids, prediction_ids)),
+    )
     drafter.prefill(prompt_ids)
     ids, n, seconds, steps = list(prompt_ids) + answer[:1], 1, 0.0, []
     while n < len(answer):
@@ -96,8 +104,10 @@ def main() -> None:
         rate = (len(answer) - 1) / seconds
         logs.append(math.log(plain / seconds))
         realised = r["decode_tokens_per_second"]
-        print(f"{r['prompt_id']:20s} new {len(answer):5d} passes {len(steps):4d} modelled {rate:6.1f} tok/s "
-              f"= {plain / seconds:.2f}x plain, {rate / bound:.2f} of the bound; realised {realised:.1f}")
+        print(
+            f"{r['prompt_id']:20s} new {len(answer):5d} passes {len(steps):4d} modelled {rate:6.1f} tok/s "
+            f"= {plain / seconds:.2f}x plain, {rate / bound:.2f} of the bound; realised {realised:.1f}"
+        )
         if args.v:
             print("   ", " ".join(steps))
     if logs:

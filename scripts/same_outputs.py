@@ -9,6 +9,7 @@ compare the files, to show that a change kept the outputs:
 The pass costs are fixed (tests/helpers.py's CHEAP), so that the planned methods choose the same shapes on any
 machine; auto still learns the draft model's rate from its measured steps.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -37,13 +38,18 @@ def engine_outputs() -> dict:
     for method in METHODS:
         for i, (prompt, chat, prediction) in enumerate(PROMPTS):
             g = engine.generate(prompt, chat=chat, method=method, max_new_tokens=N, prediction=prediction)
-            out[f"engine/{method}/{i}"] = [g.token_ids, g.stats.accepted_prediction_tokens,
-                                           g.stats.rejected_prediction_tokens]
-        g = engine.generate(PROMPTS[1][0], method=method, max_new_tokens=N, temperature=0.8, seed=1,
-                            prediction=PROMPTS[1][2])
+            out[f"engine/{method}/{i}"] = [
+                g.token_ids,
+                g.stats.accepted_prediction_tokens,
+                g.stats.rejected_prediction_tokens,
+            ]
+        g = engine.generate(
+            PROMPTS[1][0], method=method, max_new_tokens=N, temperature=0.8, seed=1, prediction=PROMPTS[1][2]
+        )
         out[f"engine/{method}/sampled"] = g.token_ids
-    out["engine/tree/shaped"] = engine.generate(PROMPTS[1][0], method="tree", tree_width=2, tree_depth=3,
-                                                max_new_tokens=N, prediction=OLD).token_ids
+    out["engine/tree/shaped"] = engine.generate(
+        PROMPTS[1][0], method="tree", tree_width=2, tree_depth=3, max_new_tokens=N, prediction=OLD
+    ).token_ids
     out["engine/draft/gamma2"] = engine.generate(PROMPTS[0][0], method="draft", gamma=2, max_new_tokens=N).token_ids
     out["engine/stop"] = engine.generate(PROMPTS[3][0], method="pld", max_new_tokens=N, stop=["mat"]).token_ids
     return out
@@ -51,15 +57,19 @@ def engine_outputs() -> dict:
 
 def router_outputs() -> dict:
     from specdecode.routing import Router
+
     router = Router({"torch": build_engine(0, 1, char_tokenizer(), costs=CHEAP, progress=False)})
-    return {f"router/{method}": router.generate(PROMPTS[1][0], method=method, max_new_tokens=N,
-                                                prediction=OLD).token_ids for method in ("auto", "pld")}
+    return {
+        f"router/{method}": router.generate(PROMPTS[1][0], method=method, max_new_tokens=N, prediction=OLD).token_ids
+        for method in ("auto", "pld")
+    }
 
 
 def server_outputs() -> dict:
     from fastapi.testclient import TestClient
 
     from specdecode.server import create_app
+
     engine = build_engine(0, 1, char_tokenizer(), costs=CHEAP, progress=False)
     out = {}
     with TestClient(create_app(engine, model_id="tiny", method="auto")) as client:

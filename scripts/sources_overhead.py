@@ -8,6 +8,7 @@ where the sources are computed) and by the client's (content chunks after the fi
 
 Prints one JSON object: per mode the median speeds, and the median of each round's ratio (with / without).
 """
+
 import argparse
 import http.client
 import json
@@ -26,10 +27,16 @@ PROMPTS = [
 def stream(url: str, model: str, prompt: str, max_tokens: int, sources: bool, key: str | None) -> dict:
     """One streamed chat answer: its text, the server's decode speed and the client's."""
     parts = urlsplit(url)
-    conn = (http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection)(parts.netloc,
-                                                                                                     timeout=600)
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+    conn = (http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection)(
+        parts.netloc, timeout=600
+    )
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     if sources:
         body["stream_options"] = {"include_sources": True}
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -59,8 +66,9 @@ def stream(url: str, model: str, prompt: str, max_tokens: int, sources: bool, ke
 def model_id(url: str, key: str | None) -> str:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.netloc, timeout=60)
-    conn.request("GET", f"{parts.path.rstrip('/')}/v1/models",
-                 headers={"Authorization": f"Bearer {key}"} if key else {})
+    conn.request(
+        "GET", f"{parts.path.rstrip('/')}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
     return json.loads(conn.getresponse().read())["data"][0]["id"]
 
 
@@ -80,7 +88,7 @@ def main() -> None:
     for r in range(args.rounds):
         for prompt in PROMPTS:
             pair = {}
-            for sources in ((True, False) if r % 2 == 0 else (False, True)):
+            for sources in (True, False) if r % 2 == 0 else (False, True):
                 pair[sources] = stream(args.url, model, prompt, args.max_tokens, sources, args.api_key)
                 runs[sources].append(pair[sources])
             if pair[True]["text"] != pair[False]["text"]:
@@ -91,12 +99,23 @@ def main() -> None:
     def median(mode, key):
         values = [x[key] for x in runs[mode] if x[key]]
         return round(statistics.median(values), 3) if values else None
-    print(json.dumps({
-        "requests_per_mode": len(runs[True]), "max_tokens": args.max_tokens,
-        "with_sources": {"server_decode_tok_s": median(True, "server"), "client_chunks_s": median(True, "client")},
-        "without": {"server_decode_tok_s": median(False, "server"), "client_chunks_s": median(False, "client")},
-        "median_ratio_with_over_without": round(statistics.median(ratios), 4) if ratios else None,
-        "overhead_percent": round(100 * (1 - statistics.median(ratios)), 2) if ratios else None}, indent=1))
+
+    print(
+        json.dumps(
+            {
+                "requests_per_mode": len(runs[True]),
+                "max_tokens": args.max_tokens,
+                "with_sources": {
+                    "server_decode_tok_s": median(True, "server"),
+                    "client_chunks_s": median(True, "client"),
+                },
+                "without": {"server_decode_tok_s": median(False, "server"), "client_chunks_s": median(False, "client")},
+                "median_ratio_with_over_without": round(statistics.median(ratios), 4) if ratios else None,
+                "overhead_percent": round(100 * (1 - statistics.median(ratios)), 2) if ratios else None,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,13 @@ def pytest_configure(config):
     if config.pluginmanager.hasplugin("dsession"):
         return
     from specdecode.host import import_frozen
+
     # torch and transformers' Qwen2 (tiny.py), which every worker loads, imported as the command imports them: their
     # millions of lifelong objects frozen, which every full collection walked (a third of a worker's start); the
     # tests' own garbage is collected as before
     import_frozen(("torch", "tiny"))
     import torch
+
     # Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait for a busy core
     # make them many times slower on a shared 2-core machine.
     DEFAULT_THREADS = torch.get_num_threads()
@@ -46,6 +48,7 @@ def one_torch_thread():
     """One torch thread for a module's tests, whatever a module before it set (tiny models are fastest on one thread,
     and far slower on two threads sharing busy cores); the count before is restored after."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -56,6 +59,7 @@ def one_torch_thread():
 def tiny_dirs(tmp_path_factory):
     """(target_dir, draft_dir): tiny fp32 models saved as HF directories with a byte tokenizer."""
     from tiny import save_tiny
+
     root = tmp_path_factory.mktemp("models")
     return save_tiny(root / "target", seed=0), save_tiny(root / "draft", seed=1)
 
@@ -66,6 +70,7 @@ def make_engine():
     progress=None, **Engine kwargs) builds a fresh Engine (tiny.build_engine); draft=None leaves the draft out.
     Session-scoped (it holds no state), so module fixtures can use it too."""
     from tiny import build_engine
+
     return build_engine
 
 

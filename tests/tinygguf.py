@@ -6,6 +6,7 @@ with `tiny.byte_tokenizer()`'s vocabulary in the metadata: the 256 GPT-2 byte sy
 vocabulary that differs from another model's). Both llama.cpp and transformers (`gguf_file=`) load it and
 give the HF model's logits. With arch="llama", the same shapes as a transformers Llama (no attention biases).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,9 +19,17 @@ from tiny import EOS, byte_tokenizer, tiny_model
 T = gguf.MODEL_TENSOR
 # HF Qwen2 parameter (per layer) -> llama.cpp tensor. Q and K are stored as they are: llama.cpp's qwen2
 # graph applies NEOX-style RoPE (rotate halves, as HF does), so nothing is permuted (unlike arch "llama").
-LAYER = {"input_layernorm": T.ATTN_NORM, "self_attn.q_proj": T.ATTN_Q, "self_attn.k_proj": T.ATTN_K,
-         "self_attn.v_proj": T.ATTN_V, "self_attn.o_proj": T.ATTN_OUT, "post_attention_layernorm": T.FFN_NORM,
-         "mlp.gate_proj": T.FFN_GATE, "mlp.up_proj": T.FFN_UP, "mlp.down_proj": T.FFN_DOWN}
+LAYER = {
+    "input_layernorm": T.ATTN_NORM,
+    "self_attn.q_proj": T.ATTN_Q,
+    "self_attn.k_proj": T.ATTN_K,
+    "self_attn.v_proj": T.ATTN_V,
+    "self_attn.o_proj": T.ATTN_OUT,
+    "post_attention_layernorm": T.FFN_NORM,
+    "mlp.gate_proj": T.FFN_GATE,
+    "mlp.up_proj": T.FFN_UP,
+    "mlp.down_proj": T.FFN_DOWN,
+}
 TOP = {"model.embed_tokens": T.TOKEN_EMBD, "model.norm": T.OUTPUT_NORM, "lm_head": T.OUTPUT}
 
 
@@ -49,11 +58,21 @@ def tiny_llama(seed: int, vocab_size: int = 257, layers: int = 2, hidden: int = 
     """A transformers Llama with tiny_model's shapes and sharpened output layer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_pos, tie_word_embeddings=False, eos_token_id=256,
-                         bos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=False,
+        eos_token_id=256,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
@@ -66,8 +85,17 @@ def _llama_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, seed: int, *, vocab_extra: int = 0, layers: int = 2, hidden: int = 64,
-                    ctx: int = 512, special: tuple[str, ...] = (), arch: str = "qwen2") -> Path:
+def write_tiny_gguf(
+    path: Path,
+    seed: int,
+    *,
+    vocab_extra: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    ctx: int = 512,
+    special: tuple[str, ...] = (),
+    arch: str = "qwen2",
+) -> Path:
     """special: control tokens appended after the extra ones (llama.cpp recognizes some by their text, such as
     <|im_end|> or <|eom_id|>, as ending a generation). arch: "qwen2" (tiny.tiny_model) or "llama" (tiny_llama)."""
     tokens = list(byte_tokenizer().convert_ids_to_tokens(range(257)))  # byte symbols in tiny.py's order, EOS
@@ -121,6 +149,7 @@ def exact_lm(path: Path, threads: int = 1):
     import pytest
 
     from specdecode.backends.llamacpp import LlamaLM
+
     default_params = llama_cpp.llama_context_default_params
 
     def params():
@@ -128,6 +157,7 @@ def exact_lm(path: Path, threads: int = 1):
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.type_k = p.type_v = llama_cpp.GGML_TYPE_F32
         return p
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(llama_cpp, "llama_context_default_params", params)
         return LlamaLM(path, threads=threads)

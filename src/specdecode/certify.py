@@ -18,6 +18,7 @@ Three checks, each with its tolerance stated in the report:
    where the plain run's top-2 logits nearly tie (a margin below the stated bound, which is the
    measured size of kernel rounding differences on that backend and dtype).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +34,7 @@ from .sampling import SamplingParams, probs_from_logits, sample
 from .verify import verify
 
 PROMPTS = [
-    "def binary_search(items, target):\n    \"\"\"Return the index of target in the sorted list items, or -1.\"\"\"\n",
+    'def binary_search(items, target):\n    """Return the index of target in the sorted list items, or -1."""\n',
     "Explain in three sentences why the sky is blue.",
     "red green blue red green blue red green blue red green",
 ]
@@ -103,8 +104,9 @@ def check_rollback(lm, prompt_ids: list[int], drafted: list[int]) -> list[dict]:
     lm.rollback(base + 1, [base + 1 + j for j in branch])
     got = next_logits()
     committed = [root] + [t[j] for j in branch]
-    out.append(_compare("tree branch rollback", got, *references(committed, [0] + [1 + j for j in branch],
-                                                                  len(t) + 1), tol))
+    out.append(
+        _compare("tree branch rollback", got, *references(committed, [0] + [1 + j for j in branch], len(t) + 1), tol)
+    )
     lm.reset()
     return out
 
@@ -117,15 +119,22 @@ def _compare(name, got, same, contiguous, plain, tol) -> dict:
     in cache order; on quantized llama.cpp models that moves a logit by up to ~0.4), and the pass sizes."""
     diff = lambda a, b: float((a - b).abs().max())  # noqa: E731
     d = diff(got, same)
-    return {"check": name, "max_abs_diff": d, "tolerance": tol, "passed": d <= tol,
-            "bit_identical": torch.equal(got, same),
-            "layout_effect": diff(same, contiguous), "pass_size_noise": diff(contiguous, plain),
-            "max_abs_diff_vs_plain_prefill": diff(got, plain)}
+    return {
+        "check": name,
+        "max_abs_diff": d,
+        "tolerance": tol,
+        "passed": d <= tol,
+        "bit_identical": torch.equal(got, same),
+        "layout_effect": diff(same, contiguous),
+        "pass_size_noise": diff(contiguous, plain),
+        "max_abs_diff_vs_plain_prefill": diff(got, plain),
+    }
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """Pearson's chi-square p-value of counts against probs; categories expected < 5 times are pooled."""
     from scipy.stats import chi2
+
     n = float(counts.sum())
     expected = probs.double() * n
     big = expected >= 5
@@ -162,8 +171,16 @@ def check_verifier(p: torch.Tensor, q: torch.Tensor, draws: int, generator: torc
     p_value, dof = chi_square(counts, ps / ps.sum())
     p_control, _ = chi_square(control, ps / ps.sum())
     tv = 0.5 * float((ps / ps.sum() - qs / qs.sum()).abs().sum())
-    return {"draws": draws, "support": len(support), "dof": dof, "p_value": p_value, "passed": p_value > P_FAIL,
-            "control_p_value": p_control, "control_informative": p_control <= P_FAIL, "tv_distance_p_q": tv}
+    return {
+        "draws": draws,
+        "support": len(support),
+        "dof": dof,
+        "p_value": p_value,
+        "passed": p_value > P_FAIL,
+        "control_p_value": p_control,
+        "control_informative": p_control <= P_FAIL,
+        "tv_distance_p_q": tv,
+    }
 
 
 class RowRecorder:
@@ -219,15 +236,24 @@ def _recorded(engine, prompt: str, method: str, max_new_tokens: int):
         engine.target = target
 
 
-def check_greedy(engine, prompt: str, method: str, max_new_tokens: int, plain_ids: list[int],
-                 plain_rows: dict | None = None) -> dict:
+def check_greedy(
+    engine, prompt: str, method: str, max_new_tokens: int, plain_ids: list[int], plain_rows: dict | None = None
+) -> dict:
     """A method's greedy output against plain decoding's: token for token, and (with plain_rows) the
     logits rows its verifier read at each position against plain decoding's, bit for bit. In exact mode
     (engine.exact) any difference fails; otherwise a divergence passes only at a near-tie."""
     out, rows = _recorded(engine, prompt, method, max_new_tokens)
     ids = out.token_ids
-    res = {"method": method, "tokens": len(ids), "identical": ids == plain_ids, "divergence": None, "passed": True,
-           "drafted": out.stats.drafted, "accepted": out.stats.accepted, "exact_mode": engine.exact}
+    res = {
+        "method": method,
+        "tokens": len(ids),
+        "identical": ids == plain_ids,
+        "divergence": None,
+        "passed": True,
+        "drafted": out.stats.drafted,
+        "accepted": out.stats.accepted,
+        "exact_mode": engine.exact,
+    }
     prompt_ids = tuple(engine.encode(prompt))
     if plain_rows is not None:  # positions both runs reached with the same text
         same = n = 0
@@ -252,17 +278,33 @@ def check_greedy(engine, prompt: str, method: str, max_new_tokens: int, plain_id
     margin = float(top.values[0] - top.values[1])
     took = ids[i] if i < len(ids) else None
     runner_up = int(top.indices[1])
-    ok = (not engine.exact and i < len(ids) and i < len(plain_ids) and margin <= tie
-          and took in (runner_up, int(top.indices[0])))
-    res.update(divergence={"at": i, "top2_margin": margin, "bound": tie, "took_runner_up": took == runner_up},
-               passed=bool(ok) and res["passed"])
+    ok = (
+        not engine.exact
+        and i < len(ids)
+        and i < len(plain_ids)
+        and margin <= tie
+        and took in (runner_up, int(top.indices[0]))
+    )
+    res.update(
+        divergence={"at": i, "top2_margin": margin, "bound": tie, "took_runner_up": took == runner_up},
+        passed=bool(ok) and res["passed"],
+    )
     return res
 
 
-def certify(engine, *, methods: list[str], prompts: list[str] | None = None,
-            settings: list[SamplingParams] | None = None, draws: int = 10 ** 6, max_new_tokens: int = 48,
-            seed: int = 0, progress: bool = True) -> dict:
+def certify(
+    engine,
+    *,
+    methods: list[str],
+    prompts: list[str] | None = None,
+    settings: list[SamplingParams] | None = None,
+    draws: int = 10**6,
+    max_new_tokens: int = 48,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     from tqdm.auto import tqdm
+
     prompts = prompts or PROMPTS
     settings = settings or SETTINGS
     generator = torch.Generator().manual_seed(seed)
@@ -270,10 +312,16 @@ def certify(engine, *, methods: list[str], prompts: list[str] | None = None,
     lms = [("target", engine.target)] + ([("draft", engine.draft_model.lm)] if engine.draft_model else [])
     steps = len(lms) + len(prompts) * (len(settings) + len(methods) + 1)
     bar = tqdm(total=steps, desc="certify", disable=not progress)
-    report = {"backend": engine.backend, "target": engine.target.name,
-              "draft": engine.draft_model.lm.name if engine.draft_model else None,
-              "tolerances": {name: tolerances(lm) for name, lm in lms}, "p_fail": P_FAIL,
-              "rollback": [], "verifier": [], "greedy": []}
+    report = {
+        "backend": engine.backend,
+        "target": engine.target.name,
+        "draft": engine.draft_model.lm.name if engine.draft_model else None,
+        "tolerances": {name: tolerances(lm) for name, lm in lms},
+        "p_fail": P_FAIL,
+        "rollback": [],
+        "verifier": [],
+        "greedy": [],
+    }
     probe = engine.encode(prompts[0])
     drafted = engine.target.forward(probe, last_only=True)[-1].topk(5).indices.tolist()
     for name, lm in lms:  # the engine's own contexts: what its generations run on
@@ -289,23 +337,35 @@ def certify(engine, *, methods: list[str], prompts: list[str] | None = None,
         if engine.draft_model is not None:
             engine.draft_model.lm.reset()
             from .drafters import fit_vocab
+
             q_logits = fit_vocab(engine.draft_model.lm.forward(ids, last_only=True)[-1], engine.vocab_size)
             engine.draft_model.lm.reset()
         for params in settings:
             p = probs_from_logits(p_logits, params)
             # no draft model: a deterministic drafter proposes the target's own argmax (a one-hot q)
-            q = probs_from_logits(q_logits, params) if q_logits is not None else \
-                torch.zeros_like(p).index_fill_(0, p_logits.argmax().reshape(1), 1.0)
+            q = (
+                probs_from_logits(q_logits, params)
+                if q_logits is not None
+                else torch.zeros_like(p).index_fill_(0, p_logits.argmax().reshape(1), 1.0)
+            )
             r = check_verifier(p, q, draws, generator)
-            report["verifier"].append({"prompt": prompt[:40], "temperature": params.temperature, "top_k": params.top_k,
-                                       "top_p": params.top_p, **r})
+            report["verifier"].append(
+                {
+                    "prompt": prompt[:40],
+                    "temperature": params.temperature,
+                    "top_k": params.top_k,
+                    "top_p": params.top_p,
+                    **r,
+                }
+            )
             bar.update(1)
         plain_out, plain_rows = _recorded(engine, prompt, BASELINE, max_new_tokens)
         plain = plain_out.token_ids
         bar.update(1)
         for m in methods:
-            report["greedy"].append({"prompt": prompt[:40], **check_greedy(engine, prompt, m, max_new_tokens, plain,
-                                                                            plain_rows)})
+            report["greedy"].append(
+                {"prompt": prompt[:40], **check_greedy(engine, prompt, m, max_new_tokens, plain, plain_rows)}
+            )
             bar.update(1)
     bar.close()
     report["passed"] = all(r["passed"] for part in ("rollback", "verifier", "greedy") for r in report[part])
@@ -315,44 +375,61 @@ def certify(engine, *, methods: list[str], prompts: list[str] | None = None,
 
 def markdown(report: dict) -> str:
     ok = lambda b: "pass" if b else "**FAIL**"  # noqa: E731
-    lines = [f"# specdecode certificate: {'PASSED' if report['passed'] else 'FAILED'}\n",
-             f"Backend {report['backend']}, target {report['target']}, draft {report['draft'] or '–'}; "
-             f"{report.get('cpu', '')} ({report['wall_s']:.0f} s)\n",
-             "## 1. KV rollback\n",
-             "Next-token logits after the rollback vs a fresh cache given the same text in the same cells, in a "
-             "pass of the same size (the decision: within the tolerance, 0 = bit for bit). For information: "
-             "the cell layout's own effect (the same text in contiguous cells; a tree rollback leaves holes "
-             "that the next token fills) and the pass sizes' (contiguous cells vs a plain one-pass prefill).\n",
-             "| model | check | max abs diff (same cells) | tolerance | layout effect | pass-size noise | "
-             "vs plain prefill | result |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# specdecode certificate: {'PASSED' if report['passed'] else 'FAILED'}\n",
+        f"Backend {report['backend']}, target {report['target']}, draft {report['draft'] or '–'}; "
+        f"{report.get('cpu', '')} ({report['wall_s']:.0f} s)\n",
+        "## 1. KV rollback\n",
+        "Next-token logits after the rollback vs a fresh cache given the same text in the same cells, in a "
+        "pass of the same size (the decision: within the tolerance, 0 = bit for bit). For information: "
+        "the cell layout's own effect (the same text in contiguous cells; a tree rollback leaves holes "
+        "that the next token fills) and the pass sizes' (contiguous cells vs a plain one-pass prefill).\n",
+        "| model | check | max abs diff (same cells) | tolerance | layout effect | pass-size noise | "
+        "vs plain prefill | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["rollback"]:
-        lines.append(f"| {r['model']} | {r['check']} | {r['max_abs_diff']:.2e} | {r['tolerance']:g} | "
-                     f"{r['layout_effect']:.2e} | {r['pass_size_noise']:.2e} | "
-                     f"{r['max_abs_diff_vs_plain_prefill']:.2e} | {ok(r['passed'])} |")
-    lines += ["\n## 2. Verifier on the real models' rows\n",
-              f"First tokens drawn through `verify` (draft x ~ q, accepted with min(1, p/q), else the residual) vs "
-              f"the target's p; chi-square, failing at p ≤ {report['p_fail']:g}. Control: accepting every draft token "
-              "(the output then follows q) on the same draws — it must be rejected when p and q differ enough.\n",
-              "| prompt | T | top-k | top-p | draws | support | TV(p, q) | p-value | control p-value | result |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['model']} | {r['check']} | {r['max_abs_diff']:.2e} | {r['tolerance']:g} | "
+            f"{r['layout_effect']:.2e} | {r['pass_size_noise']:.2e} | "
+            f"{r['max_abs_diff_vs_plain_prefill']:.2e} | {ok(r['passed'])} |"
+        )
+    lines += [
+        "\n## 2. Verifier on the real models' rows\n",
+        f"First tokens drawn through `verify` (draft x ~ q, accepted with min(1, p/q), else the residual) vs "
+        f"the target's p; chi-square, failing at p ≤ {report['p_fail']:g}. Control: accepting every draft token "
+        "(the output then follows q) on the same draws — it must be rejected when p and q differ enough.\n",
+        "| prompt | T | top-k | top-p | draws | support | TV(p, q) | p-value | control p-value | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["verifier"]:
-        lines.append(f"| {r['prompt']!r} | {r['temperature']} | {r['top_k']} | {r['top_p']} | {r['draws']:,} | "
-                     f"{r['support']} | {r['tv_distance_p_q']:.3f} | {r['p_value']:.3g} | {r['control_p_value']:.3g} | "
-                     f"{ok(r['passed'])} |")
+        lines.append(
+            f"| {r['prompt']!r} | {r['temperature']} | {r['top_k']} | {r['top_p']} | {r['draws']:,} | "
+            f"{r['support']} | {r['tv_distance_p_q']:.3f} | {r['p_value']:.3g} | {r['control_p_value']:.3g} | "
+            f"{ok(r['passed'])} |"
+        )
     exact = any(r.get("exact_mode") for r in report["greedy"])
-    lines += ["\n## 3. Greedy agreement with plain decoding\n",
-              ("Exact mode: every logits row the verifier read must be bit-identical to plain decoding's at the same "
-               "position, and the output identical.\n" if exact else
-               "A divergence passes only at a near-tie of plain decoding's top two logits (the bound: this backend's "
-               "rounding). Bit-identical: the positions whose logits row equals plain decoding's in every bit.\n"),
-              "| prompt | method | tokens | drafted / accepted | identical | bit-identical rows | first divergence "
-              "(top-2 margin / bound) | result |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "\n## 3. Greedy agreement with plain decoding\n",
+        (
+            "Exact mode: every logits row the verifier read must be bit-identical to plain decoding's at the same "
+            "position, and the output identical.\n"
+            if exact
+            else "A divergence passes only at a near-tie of plain decoding's top two logits (the bound: this backend's "
+            "rounding). Bit-identical: the positions whose logits row equals plain decoding's in every bit.\n"
+        ),
+        "| prompt | method | tokens | drafted / accepted | identical | bit-identical rows | first divergence "
+        "(top-2 margin / bound) | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["greedy"]:
         d = r["divergence"]
         div = "–" if d is None else f"token {d['at']}: {d['top2_margin']:.3f} / {d['bound']}"
         bits = f"{r['bit_identical']}/{r['positions_compared']}" if "bit_identical" in r else "–"
-        lines.append(f"| {r['prompt']!r} | {r['method']} | {r['tokens']} | {r['drafted']} / {r['accepted']} | "
-                     f"{'yes' if r['identical'] else 'no'} | {bits} | {div} | {ok(r['passed'])} |")
+        lines.append(
+            f"| {r['prompt']!r} | {r['method']} | {r['tokens']} | {r['drafted']} / {r['accepted']} | "
+            f"{'yes' if r['identical'] else 'no'} | {bits} | {div} | {ok(r['passed'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,6 @@
 """The Engine: the facade that loads the models once and runs generations through the loop (loop.py:
 draft -> verify -> accept -> roll back) with the drafter each method builds (methods.py)."""
+
 from __future__ import annotations
 
 from contextlib import ExitStack
@@ -45,9 +46,19 @@ class Engine:
     datastore: a directory built by `specdecode index` (same tokenizer), drafted from by the same methods.
     """
 
-    def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None, *,
-                 history_tokens: int = 0, datastore: str | None = None, draft_window: int | None = DRAFT_WINDOW,
-                 exact: bool = False, prompt_cache: bool = False):
+    def __init__(
+        self,
+        target_model,
+        tokenizer,
+        draft_model=None,
+        draft_tokenizer=None,
+        *,
+        history_tokens: int = 0,
+        datastore: str | None = None,
+        draft_window: int | None = DRAFT_WINDOW,
+        exact: bool = False,
+        prompt_cache: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.encoder = tokenizer  # what requests' text is encoded with (separate_encoder: a copy of its own)
         self.exact = bool(exact)  # the default of stream()/generate()'s exact
@@ -92,8 +103,10 @@ class Engine:
         if self.draft_model is None:
             raise SpecDecodeError("--draft-vocab needs a draft model")
         if source is None and self.datastore is None:
-            raise SpecDecodeError("--draft-vocab needs token frequencies: --draft-vocab-from DIR (a datastore built "
-                                  "by `specdecode index` from a corpus like your prompts) or --datastore DIR")
+            raise SpecDecodeError(
+                "--draft-vocab needs token frequencies: --draft-vocab-from DIR (a datastore built "
+                "by `specdecode index` from a corpus like your prompts) or --datastore DIR"
+            )
         ds = self.datastore if source is None else Datastore(source, tokenizer_fingerprint(self.tokenizer))
         added = set(self.tokenizer.get_added_vocab().values())
         keep = set(ds.top_tokens(k)) | self.eos_ids | added
@@ -101,12 +114,26 @@ class Engine:
         return len(self.draft_model.keep)
 
     @classmethod
-    def load(cls, target: str | None = None, draft: str | None = None, *, backend: str = "auto",
-             dtype: str | None = None, device: str | None = None, with_draft: bool = True, progress: bool = True,
-             threads: int | None = None, draft_quant: str = "auto", history_tokens: int = 0,
-             datastore: str | None = None, draft_vocab: int | None = None,
-             draft_vocab_from: str | None = None, draft_window: int | None = DRAFT_WINDOW,
-             exact: bool = False, prompt_cache: bool = False) -> "Engine":
+    def load(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        *,
+        backend: str = "auto",
+        dtype: str | None = None,
+        device: str | None = None,
+        with_draft: bool = True,
+        progress: bool = True,
+        threads: int | None = None,
+        draft_quant: str = "auto",
+        history_tokens: int = 0,
+        datastore: str | None = None,
+        draft_vocab: int | None = None,
+        draft_vocab_from: str | None = None,
+        draft_window: int | None = DRAFT_WINDOW,
+        exact: bool = False,
+        prompt_cache: bool = False,
+    ) -> "Engine":
         """target/draft: a built-in name, a local HF directory, a GGUF file or a hub id.
         Without arguments: the default pair (Qwen2.5-Coder 1.5B target, 0.5B draft).
         backend: "auto" (a GGUF model on the CPU runs on llama.cpp, anything else on torch),
@@ -121,6 +148,7 @@ class Engine:
         stream); on llama.cpp the target then runs with flash attention on (see exactness.py). prompt_cache: see
         Engine (prefill.py)."""
         from .backends.loading import DEFAULT_DRAFT, DEFAULT_TARGET, check_draft_vocab, load_draft_lm, load_lm
+
         if target is None:
             target = DEFAULT_TARGET
             draft = draft or DEFAULT_DRAFT
@@ -131,16 +159,29 @@ class Engine:
             if draft:
                 check_draft_vocab(draft, backend, device)
             if draft_vocab_from is None and datastore is None:
-                raise SpecDecodeError("--draft-vocab needs token frequencies: --draft-vocab-from DIR (a datastore "
-                                      "built by `specdecode index`) or --datastore DIR")
-        t_model, t_tok, t_backend = load_lm(target, backend, dtype=dtype, device=device, progress=progress,
-                                            threads=threads, exact=exact)
+                raise SpecDecodeError(
+                    "--draft-vocab needs token frequencies: --draft-vocab-from DIR (a datastore "
+                    "built by `specdecode index`) or --datastore DIR"
+                )
+        t_model, t_tok, t_backend = load_lm(
+            target, backend, dtype=dtype, device=device, progress=progress, threads=threads, exact=exact
+        )
         d_model = d_tok = None
         if with_draft and draft:
-            d_model, d_tok, d_backend = load_draft_lm(draft, backend, dtype=dtype, device=device, progress=progress,
-                                                      threads=threads, quant=draft_quant)
-        engine = cls(t_model, t_tok, d_model, d_tok, history_tokens=history_tokens, datastore=datastore,
-                     draft_window=draft_window, exact=exact, prompt_cache=prompt_cache)
+            d_model, d_tok, d_backend = load_draft_lm(
+                draft, backend, dtype=dtype, device=device, progress=progress, threads=threads, quant=draft_quant
+            )
+        engine = cls(
+            t_model,
+            t_tok,
+            d_model,
+            d_tok,
+            history_tokens=history_tokens,
+            datastore=datastore,
+            draft_window=draft_window,
+            exact=exact,
+            prompt_cache=prompt_cache,
+        )
         engine.progress = progress
         if draft_vocab is not None and engine.draft_model is not None:
             engine.truncate_draft_vocab(draft_vocab, draft_vocab_from)
@@ -161,9 +202,11 @@ class Engine:
         """The tree method's CostModel: pass costs measured once per machine and models (cached on disk)."""
         if self.costs is None:
             from .planning.costs import load_or_measure
+
             with self.lease.held("measuring pass costs"):
-                self.costs = load_or_measure(self.target, self.draft_model.lm if self.draft_model else None,
-                                             progress=self.progress)
+                self.costs = load_or_measure(
+                    self.target, self.draft_model.lm if self.draft_model else None, progress=self.progress
+                )
         return self.costs
 
     # -- text in, text out -------------------------------------------------------------------
@@ -173,12 +216,14 @@ class Engine:
         elif isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         else:
-            raise InvalidField(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}",
-                               param="prompt")
+            raise InvalidField(
+                f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}", param="prompt"
+            )
         if chat:
             if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-                raise InvalidField("chat messages must be a non-empty list of {'role': ..., 'content': str}",
-                                   param="prompt")
+                raise InvalidField(
+                    "chat messages must be a non-empty list of {'role': ..., 'content': str}", param="prompt"
+                )
             if not any(m["content"].strip() for m in messages):
                 raise InvalidField("the prompt is empty", param="prompt")
             if getattr(self.encoder, "chat_template", None) is None:
@@ -225,12 +270,27 @@ class Engine:
             pass
         return stream.result
 
-    def stream(self, prompt: str | list[dict], *, method: str = DEFAULT_METHOD, gamma: int = DEFAULT_GAMMA,
-               max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, stop: list[str] | str | None = None, chat: bool = False,
-               tree_width: int | None = None, tree_depth: int | None = None,
-               tree_nodes: int | None = None, exact: bool | None = None, history=None,
-               cache_scope: str = "", prediction: str | None = None) -> TextStream:
+    def stream(
+        self,
+        prompt: str | list[dict],
+        *,
+        method: str = DEFAULT_METHOD,
+        gamma: int = DEFAULT_GAMMA,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+        chat: bool = False,
+        tree_width: int | None = None,
+        tree_depth: int | None = None,
+        tree_nodes: int | None = None,
+        exact: bool | None = None,
+        history=None,
+        cache_scope: str = "",
+        prediction: str | None = None,
+    ) -> TextStream:
         """An iterator of text deltas (never splitting a character or leaking a stop string);
         after it is exhausted, .result holds the Generation.
 
@@ -250,10 +310,27 @@ class Engine:
         forced output. The methods that draft from lookup sources (auto, lookup, tree) and pld follow it through
         the output's edits (drafters/copy.py); stats.sources["prediction"] counts its drafted and accepted tokens,
         stats.accepted/rejected_prediction_tokens OpenAI's usage fields (prediction.py), counted at the end."""
-        return self.open(Request(prompt, method=method, gamma=gamma, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, chat=chat,
-                                 tree_width=tree_width, tree_depth=tree_depth, tree_nodes=tree_nodes, exact=exact,
-                                 history=history, cache_scope=cache_scope, prediction=prediction))
+        return self.open(
+            Request(
+                prompt,
+                method=method,
+                gamma=gamma,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop=stop,
+                chat=chat,
+                tree_width=tree_width,
+                tree_depth=tree_depth,
+                tree_nodes=tree_nodes,
+                exact=exact,
+                history=history,
+                cache_scope=cache_scope,
+                prediction=prediction,
+            )
+        )
 
     def open(self, request: Request | Encoded) -> TextStream:
         """The request as a stream, checked and set up but not started (stream() says what each field does). An
@@ -263,14 +340,23 @@ class Engine:
         params = self.check(**r.checked_fields())
         exact = (self.exact and params.greedy) if r.exact is None else r.exact  # the Engine's: greedy requests
         if exact and not params.greedy:
-            raise InvalidField("exact mode is for greedy decoding (temperature 0); sampling is exact in distribution",
-                               param="exact")
+            raise InvalidField(
+                "exact mode is for greedy decoding (temperature 0); sampling is exact in distribution", param="exact"
+            )
         limits = self.exact_limits() if exact else None
         m = METHOD_TABLE[r.method]
         prompt_ids = list(encoded.prompt_ids)
-        draft_request = DraftRequest(r.gamma, params, r.tree_width, r.tree_depth, r.tree_nodes, r.max_new_tokens,
-                                     self.history if r.history is None else r.history, encoded.prompt_ids,
-                                     encoded.prediction_ids)
+        draft_request = DraftRequest(
+            r.gamma,
+            params,
+            r.tree_width,
+            r.tree_depth,
+            r.tree_nodes,
+            r.max_new_tokens,
+            self.history if r.history is None else r.history,
+            encoded.prompt_ids,
+            encoded.prediction_ids,
+        )
         drafter = m.make_drafter(self.parts(), draft_request)
         stop_ids = self._stop_ids(r.stop)
         generator = torch.Generator()
@@ -281,12 +367,24 @@ class Engine:
         stats, depth_cap = self._stats(m, drafter, draft_request, len(prompt_ids), limits)
         scope = r.cache_scope if self.prompt_cache and limits is None else None  # exact: plain decoding's prefill
         interrupt = Interrupt()  # the stream's interrupt, asked while the prompt is read too
-        steps = speculative_decode(self.target, drafter, prompt_ids, gamma=depth_cap, params=params,
-                                   max_new_tokens=r.max_new_tokens, eos_ids=self.eos_ids | stop_ids,
-                                   generator=generator, stats=stats, exact=limits, scope=scope, interrupt=interrupt)
+        steps = speculative_decode(
+            self.target,
+            drafter,
+            prompt_ids,
+            gamma=depth_cap,
+            params=params,
+            max_new_tokens=r.max_new_tokens,
+            eos_ids=self.eos_ids | stop_ids,
+            generator=generator,
+            stats=stats,
+            exact=limits,
+            scope=scope,
+            interrupt=interrupt,
+        )
         draft = self.draft_model if m.needs_draft_model != NO else None
-        budget = text_budget(self.target, len(prompt_ids), r.max_new_tokens,
-                             limits is not None or getattr(self.target, "exact", False))
+        budget = text_budget(
+            self.target, len(prompt_ids), r.max_new_tokens, limits is not None or getattr(self.target, "exact", False)
+        )
         around = self._surrounded(steps, draft_request.history, limits, scope, interrupt, draft, budget)
         return TextStream(self, around, stats, r.stops, interrupt, encoded=encoded, cache_scope=scope)
 
@@ -315,9 +413,16 @@ class Engine:
             stats.lookup_sources = ["context"] + (["prediction"] if request.prediction_ids else [])
         return stats, depth_cap
 
-    def _surrounded(self, steps: Iterator[list[int]], history: History | None, limits: ExactLimits | None,
-                    scope: str | None, interrupt: Interrupt, draft: DraftModel | None,
-                    budget: int) -> Iterator[list[int]]:
+    def _surrounded(
+        self,
+        steps: Iterator[list[int]],
+        history: History | None,
+        limits: ExactLimits | None,
+        scope: str | None,
+        interrupt: Interrupt,
+        draft: DraftModel | None,
+        budget: int,
+    ) -> Iterator[list[int]]:
         """The loop's steps inside what surrounds a generation, entered at its first step in this order and left in
         the reverse however it ends (exhausted, an error, or closed between steps: a client gone). draft: the draft
         model the generation may run, its cache sized here for `budget` tokens of text as the target's is in prefill."""

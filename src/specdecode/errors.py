@@ -1,6 +1,7 @@
 """The errors a user sees, each a SpecDecodeError. Each class declares how the server answers it: its HTTP
 `status`, and OpenAI's error `type` and `code`; `param` names the request field it is about, where there is one.
 The server maps an error by its class, never by its message (server/protocol.py: error_body)."""
+
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,7 @@ class SpecDecodeError(ValueError):
     The CLI prints its message on one line and exits with status 2. Over HTTP this class itself is an invalid
     request (400) while a request is checked; once its generation runs, the scheduler answers a 500
     (EngineFailed) for any error not declared the client's or a passing one."""
+
     status = 400
     type = "invalid_request_error"
     code: str | None = "invalid_value"
@@ -46,6 +48,7 @@ class MissingField(InvalidField):
 
 class UnsupportedParameter(InvalidField):
     """An OpenAI field this server does not implement, asking for something."""
+
     code = "unsupported_parameter"
 
 
@@ -55,6 +58,7 @@ class InvalidJSON(SpecDecodeError):
 
 class ContextExceeded(InvalidField):
     """The prompt (or the prediction, or prompt + max_tokens) does not fit in the model's context."""
+
     code = "context_length_exceeded"
 
 
@@ -82,26 +86,31 @@ class MethodNotAllowed(SpecDecodeError):
 
 class RequestTooLarge(SpecDecodeError):
     """A request body over the server's limit, refused before it is read."""
+
     status, code = 413, "request_too_large"
 
 
 class UnsupportedMediaType(SpecDecodeError):
     """A body that is not declared JSON (Content-Type): a browser's cross-site form post must not reach a route."""
+
     status, code = 415, "unsupported_media_type"
 
 
 class ServerFault(SpecDecodeError):
     """The server's own failure, not the request's."""
+
     status, type, code = 500, "server_error", "internal_error"
 
 
 class EngineFailed(ServerFault):
     """A generation failed once it ran, for a reason retrying does not cure."""
+
     code = "engine_error"
 
 
 class Unavailable(ServerFault):
     """The server cannot take or finish the request now; retrying later may work (Retry-After, where known)."""
+
     status, code = 503, "unavailable"
 
     def __init__(self, message: str = "", *, retry_after: int | None = None):
@@ -114,26 +123,31 @@ class Unavailable(ServerFault):
 
 class EngineUnavailable(Unavailable):
     """The backend could not run a pass now (its cache full, short of memory): a passing fault."""
+
     code = "engine_unavailable"
 
 
 class Overloaded(Unavailable):
     """The queue is full."""
+
     code = "queue_full"
 
 
 class QueueTimeout(Unavailable):
     """The request waited in the queue past its deadline."""
+
     code = "timeout"
 
 
 class ShuttingDown(Unavailable):
     """The server began shutting down: no new job is taken."""
+
     code = "shutting_down"
 
 
 class ReplicaLost(Unavailable):
     """The Ray replica serving a request stopped before it finished."""
+
     code = "replica_unavailable"
 
 

@@ -22,6 +22,7 @@ measured to make longer passes exact and to cost a 1-token step at most PAD_COST
 mode is then the padded one (its tokens equal unpadded decoding's except where the top two logits are within a
 rounding), and every method equals it bit for bit.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -108,8 +109,10 @@ def _chunked(lm, prompt: list[int], ids: list[int], k: int, offset: int = 0) -> 
     """Rows of ids fed `offset` one per pass, then k per pass."""
     lm.reset()
     lm.forward(prompt, last_only=True)
-    return torch.cat([lm.forward(ids[a:a + 1]) for a in range(offset)]
-                     + [lm.forward(ids[a:a + k]) for a in range(offset, len(ids), k)])
+    return torch.cat(
+        [lm.forward(ids[a : a + 1]) for a in range(offset)]
+        + [lm.forward(ids[a : a + k]) for a in range(offset, len(ids), k)]
+    )
 
 
 def _tree_rounds(lm, prompt: list[int], ids: list[int], size: int) -> torch.Tensor:
@@ -123,7 +126,7 @@ def _tree_rounds(lm, prompt: list[int], ids: list[int], size: int) -> torch.Tens
     while i + depth + 1 <= len(ids) - 2:
         P = len(lm.ids)
         decoy = (ids[i + 1] + 1) % lm.vocab_size
-        toks = [ids[i], decoy] + ids[i + 1:i + 1 + depth]
+        toks = [ids[i], decoy] + ids[i + 1 : i + 1 + depth]
         parents = [P - 1, P, P] + [P + 2 + a for a in range(depth - 1)]
         out = lm.forward(toks, parents=parents)
         rows += [out[0]] + [out[2 + a] for a in range(depth)]
@@ -146,7 +149,8 @@ def _exact_at(lm, prompt: list[int], steps: int, max_pass: int, trees: bool) -> 
             break
         ok = k
     return ok, trees and ok >= 3 and lm.tree_error() is None and torch.equal(
-        _tree_rounds(lm, prompt, ids, min(ok, 5)), ref)
+        _tree_rounds(lm, prompt, ids, min(ok, 5)), ref
+    )
 
 
 def measure(lm, steps: int = STEPS, max_size: int = MAX_SIZE, pad_rows: int = 1) -> ExactLimits:
@@ -190,9 +194,15 @@ def _measure(lm, steps: int, max_size: int, pad_rows: int) -> ExactLimits:
     lm.reset()
     max_context = max(seen) + steps
     padded = f", every pass padded to {pad_rows} rows" if pad_rows > 1 else ""
-    return ExactLimits(max_pass, bool(trees), f"{steps} greedy steps after {', '.join(map(str, seen))} random "
-                       f"tokens, passes of 2..{max_size} tokens and trees of up to {min(max_pass, 5)} nodes{padded}, "
-                       f"compared bit for bit; exact up to {max_context} cells", max_context, pad_rows)
+    return ExactLimits(
+        max_pass,
+        bool(trees),
+        f"{steps} greedy steps after {', '.join(map(str, seen))} random "
+        f"tokens, passes of 2..{max_size} tokens and trees of up to {min(max_pass, 5)} nodes{padded}, "
+        f"compared bit for bit; exact up to {max_context} cells",
+        max_context,
+        pad_rows,
+    )
 
 
 def padding_cost(lm, rows: int = PAD_ROWS, context: int = 128, rounds: int = 20) -> float:
@@ -233,8 +243,11 @@ def choose(lm) -> ExactLimits:
 def limits(lm, progress: bool = False) -> ExactLimits:
     """The measured ExactLimits of this LM, read from the cache or measured once and stored."""
     if not lm.exact:
-        raise InvalidField(f"exact mode needs a target loaded for it ({lm.backend} model {lm.name}: load it with "
-                           "exact=True / --exact; on llama.cpp that turns flash attention on)", param="exact")
+        raise InvalidField(
+            f"exact mode needs a target loaded for it ({lm.backend} model {lm.name}: load it with "
+            "exact=True / --exact; on llama.cpp that turns flash attention on)",
+            param="exact",
+        )
     key = hashlib.sha256(f"{FORMAT}|{lm.describe()}".encode()).hexdigest()[:16]
     path = cache_dir() / "exact" / f"{key}.json"
     try:

@@ -1,5 +1,6 @@
 """Names a package loads on first use (PEP 562): its __init__ maps each public name to the module that defines it,
 and importing the package imports none of them (no torch, no server packages, no llama.cpp bindings)."""
+
 from __future__ import annotations
 
 import importlib

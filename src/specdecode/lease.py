@@ -3,6 +3,7 @@ each, so a second generation (or a cost measurement) that started while a stream
 stream's cache and corrupt its output silently. The Lease refuses it with a clear error instead. A stream holds the
 lease from its first step until it ends, is closed, or is garbage-collected (closing a generator runs its `finally`).
 And one thread at a time in a tokenizer (tokenizer_lock), or in each of its copies (TokenizerCopies)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,9 +23,11 @@ class Lease:
     def held(self, what: str):
         """Hold the models for `what`; SpecDecodeError at once if a stream holds them."""
         if not self._lock.acquire(blocking=False):
-            raise SpecDecodeError(f"this Engine is busy with another stream that is still open: {what} would "
-                                  "overwrite its KV cache. An Engine runs one generation at a time: read that "
-                                  "stream to its end, close() it or drop it first, or use another Engine")
+            raise SpecDecodeError(
+                f"this Engine is busy with another stream that is still open: {what} would "
+                "overwrite its KV cache. An Engine runs one generation at a time: read that "
+                "stream to its end, close() it or drop it first, or use another Engine"
+            )
         try:
             yield
         finally:
@@ -93,4 +96,5 @@ class TokenizerCopies:
         def on_a_copy(*args, **kwargs):
             with self.lend() as tokenizer:
                 return getattr(tokenizer, name)(*args, **kwargs)
+
         return on_a_copy

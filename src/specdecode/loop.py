@@ -4,6 +4,7 @@ Cache convention (both models): the cache holds every committed token except the
 into the next target pass with the draft: the target scores gamma draft tokens plus the bonus position in
 ONE forward of gamma+1 tokens. Plain decoding is the same loop with an empty draft.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,10 +21,21 @@ from .stats import Stats
 from .verify import verdict
 
 
-def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int], *, gamma: int,
-                       params: SamplingParams, max_new_tokens: int, eos_ids: set[int],
-                       generator: torch.Generator | None, stats: Stats, exact: ExactLimits | None = None,
-                       scope: str | None = None, interrupt: Interrupt | None = None) -> Iterator[list[int]]:
+def speculative_decode(
+    target: LM,
+    drafter: Drafter | None,
+    prompt_ids: list[int],
+    *,
+    gamma: int,
+    params: SamplingParams,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    generator: torch.Generator | None,
+    stats: Stats,
+    exact: ExactLimits | None = None,
+    scope: str | None = None,
+    interrupt: Interrupt | None = None,
+) -> Iterator[list[int]]:
     """Yield newly committed token ids, step by step. stats is filled in as it goes. gamma: the most
     tokens deep one step may draft (a chain's length; a tree drafter's depth cap), never more than can
     still be emitted. exact: passes kept to the sizes (and chains, if trees are not) whose logits are
@@ -32,8 +44,17 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
     if exact is not None and drafter is not None:
         drafter = ExactDrafter(drafter, exact, target)
     with torch.inference_mode():
-        ids, head = prefill(target, drafter, prompt_ids, max_new_tokens, stats, exact is not None or params.greedy,
-                            scope, interrupt, exact=exact is not None)
+        ids, head = prefill(
+            target,
+            drafter,
+            prompt_ids,
+            max_new_tokens,
+            stats,
+            exact is not None or params.greedy,
+            scope,
+            interrupt,
+            exact=exact is not None,
+        )
     emitted = len(head)
     if head:
         stats.record(Draft([], None), 0, 1)
@@ -55,8 +76,9 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
             t1 = time.perf_counter()
             # 2. verify: the ONE target pass over the last committed token (the root) and every drafted token
             root = len(target)
-            logits = target.forward([ids[-1]] + draft.tokens,
-                                    parents=[root - 1] + [root + a + 1 for a in draft.tree_parents])
+            logits = target.forward(
+                [ids[-1]] + draft.tokens, parents=[root - 1] + [root + a + 1 for a in draft.tree_parents]
+            )
             # 3. accept and roll back: the accepted path and one token of the target's own (bonus or residual);
             # the caches keep ids + the accepted branch, the new last token stays uncached
             path, bonus = verdict(logits, draft, params, generator)
@@ -70,7 +92,7 @@ def speculative_decode(target: LM, drafter: Drafter | None, prompt_ids: list[int
         new = [draft.tokens[i] for i in path] + [bonus]
         for i, tok in enumerate(new):
             if tok in eos_ids:
-                new = new[:i + 1]
+                new = new[: i + 1]
                 stats.finish_reason = "eos"
                 break
         stats.record(draft, min(len(path), len(new)), len(new), path)  # accepted draft tokens emitted (none past EOS)

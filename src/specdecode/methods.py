@@ -4,6 +4,7 @@ The Engine (validation, building the drafter, filling in Stats), the CLI, the se
 read this table instead of naming methods. Adding a method is one `Method` entry in METHOD_TABLE plus its
 drafter (a `Drafter`, see drafters/base.py) and the function that builds it (builders.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ DEFAULT_GAMMA = 4  # draft tokens per target pass where a request names no gamma
 @dataclass(frozen=True)
 class DraftRequest:
     """What one generation asks of its drafter (already checked by Engine.check)."""
+
     gamma: int
     params: SamplingParams
     tree_width: int | None = None
@@ -53,6 +55,7 @@ class Method:
       (builders.py holds the built-in methods'); None: no drafter (plain decoding).
     shape: the method's entry in Stats.tree, from (drafter, request); None: none.
     """
+
     name: str
     summary: str
     needs_draft_model: str = NO
@@ -80,29 +83,85 @@ def _auto_shape(drafter, request: DraftRequest) -> dict:
 
 
 def _tree_shape(drafter, request: DraftRequest) -> dict:
-    return {"width": drafter.width, "depth": drafter.max_depth, "nodes": drafter.max_nodes,
-            "chosen_by_cost_model": [k for k, v in (("width", request.tree_width), ("depth", request.tree_depth),
-                                                     ("nodes", request.tree_nodes)) if v is None]}
+    return {
+        "width": drafter.width,
+        "depth": drafter.max_depth,
+        "nodes": drafter.max_nodes,
+        "chosen_by_cost_model": [
+            k
+            for k, v in (("width", request.tree_width), ("depth", request.tree_depth), ("nodes", request.tree_nodes))
+            if v is None
+        ],
+    }
 
 
-METHOD_TABLE: dict[str, Method] = {m.name: m for m in (
-    Method("auto", "the cost model picks plain decoding, lookup, a draft chain or a tree each step (default)",
-           needs_draft_model=OPTIONAL, uses_cost_model=True, uses_lookup_sources=True, planned=True,
-           bench_default=1, certify_default=3, routable=True, build=builders.build_auto, shape=_auto_shape),
-    Method(BASELINE, "plain decoding through the same loop, the baseline of every speedup", drafts=False,
-           bench_default=0, routable=True),
-    Method("draft", "a draft model with the same tokenizer proposes a chain of gamma tokens",
-           needs_draft_model=REQUIRED, uses_gamma=True, chain=True, bench_default=3, certify_default=0,
-           build=builders.build_draft),
-    Method("lookup", "a tree of lookup guesses (prompt, earlier outputs, datastore) shaped by the cost model",
-           uses_cost_model=True, uses_lookup_sources=True, planned=True, routable=True, build=builders.build_lookup),
-    Method("pld", "prompt lookup: continues an earlier occurrence of the last tokens (gamma deep)",
-           prompt_lookup=True, uses_gamma=True, chain=True, bench_default=2, certify_default=1, routable=True,
-           build=builders.build_pld),
-    Method("tree", "a token tree from the draft model and lookup guesses, shaped by the cost model",
-           needs_draft_model=OPTIONAL, uses_cost_model=True, uses_lookup_sources=True, tree_options=True,
-           planned=True, certify_default=2, build=builders.build_tree, shape=_tree_shape),
-)}
+METHOD_TABLE: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "auto",
+            "the cost model picks plain decoding, lookup, a draft chain or a tree each step (default)",
+            needs_draft_model=OPTIONAL,
+            uses_cost_model=True,
+            uses_lookup_sources=True,
+            planned=True,
+            bench_default=1,
+            certify_default=3,
+            routable=True,
+            build=builders.build_auto,
+            shape=_auto_shape,
+        ),
+        Method(
+            BASELINE,
+            "plain decoding through the same loop, the baseline of every speedup",
+            drafts=False,
+            bench_default=0,
+            routable=True,
+        ),
+        Method(
+            "draft",
+            "a draft model with the same tokenizer proposes a chain of gamma tokens",
+            needs_draft_model=REQUIRED,
+            uses_gamma=True,
+            chain=True,
+            bench_default=3,
+            certify_default=0,
+            build=builders.build_draft,
+        ),
+        Method(
+            "lookup",
+            "a tree of lookup guesses (prompt, earlier outputs, datastore) shaped by the cost model",
+            uses_cost_model=True,
+            uses_lookup_sources=True,
+            planned=True,
+            routable=True,
+            build=builders.build_lookup,
+        ),
+        Method(
+            "pld",
+            "prompt lookup: continues an earlier occurrence of the last tokens (gamma deep)",
+            prompt_lookup=True,
+            uses_gamma=True,
+            chain=True,
+            bench_default=2,
+            certify_default=1,
+            routable=True,
+            build=builders.build_pld,
+        ),
+        Method(
+            "tree",
+            "a token tree from the draft model and lookup guesses, shaped by the cost model",
+            needs_draft_model=OPTIONAL,
+            uses_cost_model=True,
+            uses_lookup_sources=True,
+            tree_options=True,
+            planned=True,
+            certify_default=2,
+            build=builders.build_tree,
+            shape=_tree_shape,
+        ),
+    )
+}
 
 
 def method_names() -> tuple[str, ...]:
@@ -115,8 +174,9 @@ def get_method(name: str) -> Method:
     try:
         return METHOD_TABLE[name]
     except (KeyError, TypeError):
-        raise InvalidField(f"unknown method {name!r}; choose one of {', '.join(METHOD_TABLE)}",
-                           param="method") from None
+        raise InvalidField(
+            f"unknown method {name!r}; choose one of {', '.join(METHOD_TABLE)}", param="method"
+        ) from None
 
 
 def names_where(**needs) -> list[str]:

@@ -1,5 +1,6 @@
 """A request's sampling settings, checked where they are made. Torch-free: the command line and the server check a
 request before anything loads torch or a model (checks.py)."""
+
 from __future__ import annotations
 
 import math

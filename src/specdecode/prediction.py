@@ -17,6 +17,7 @@ Work: two bit-parallel LCS passes (Hyyrö 2004) over what lies between the commo
 |prediction| x |completion| / 30 machine-word operations on Python's integers (32k x 32k tokens: well under a
 second; an edit's few thousand tokens: milliseconds); memory: one integer of |prediction| bits per distinct token.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -33,7 +34,7 @@ def prediction_usage(prediction: Sequence[int], completion: Sequence[int], finis
     if finished:
         while tail < min(len(pred), len(out)) - head and pred[-1 - tail] == out[-1 - tail]:
             tail += 1
-    a, b = pred[head:len(pred) - tail], out[head:len(out) - tail]
+    a, b = pred[head : len(pred) - tail], out[head : len(out) - tail]
     common, reach = _lcs_reach(a, b)
     accepted = head + common + tail
     if finished:

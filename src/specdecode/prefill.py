@@ -1,6 +1,7 @@
 """A generation's first work: the prompt into the target's cache (and the draft's), reusing what an earlier
 generation left there where the caller allows it (Engine(prompt_cache=True): a prompt that starts as the last one
 did, such as a chat's system prompt or a conversation's earlier turns, reads only what is new)."""
+
 from __future__ import annotations
 
 import time
@@ -52,9 +53,17 @@ def interruptible(models: list[LM], interrupt: Interrupt | None):
             lm.interrupt = None
 
 
-def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_tokens: int, stats: Stats,
-            whole: bool, scope: str | None = None, interrupt: Interrupt | None = None,
-            exact: bool = False) -> tuple[list[int], list[int]]:
+def prefill(
+    target: LM,
+    drafter: Drafter | None,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stats: Stats,
+    whole: bool,
+    scope: str | None = None,
+    interrupt: Interrupt | None = None,
+    exact: bool = False,
+) -> tuple[list[int], list[int]]:
     """Both caches emptied, then given the prompt but its last token (it goes into the first target pass). With
     `whole` (greedy) the target reads it all: (ids, head), head the argmax of its last row, as llama-cpp-python's
     and HF's generation get it (ours then shares every rounding of the prompt with theirs); else head = [].
@@ -62,8 +71,11 @@ def prefill(target: LM, drafter: Drafter | None, prompt_ids: list[int], max_new_
     the same scope (LM.keep_prefix); the draft reads the text anew (lazily, where its drafter does). interrupt: asked
     between the prompt's passes (exact mode: those plain decoding reads in); Interrupted when it says to stop."""
     if len(prompt_ids) >= target.max_length:
-        raise ContextExceeded(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
-                              f"{target.max_length}, so no token can be generated", param="prompt")
+        raise ContextExceeded(
+            f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
+            f"{target.max_length}, so no token can be generated",
+            param="prompt",
+        )
     keep = target.keep_prefix(prompt_ids, scope)  # 0: the cache emptied
     target.owner = None  # until the prompt is in: a failed read leaves nothing to reuse
     stats.cached_prompt_tokens = keep
@@ -97,7 +109,7 @@ def _read(target: LM, ids: list[int], interrupt: Interrupt | None, exact: bool):
     a = 0
     while True:
         n = step(len(ids) - a) if step is not None else min(len(ids) - a, PREFILL_CHUNK)
-        logits = target.forward(ids[a:a + n], last_only=True)
+        logits = target.forward(ids[a : a + n], last_only=True)
         a += n
         if a >= len(ids):
             return logits

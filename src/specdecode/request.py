@@ -7,6 +7,7 @@ choice, a batch slot's engine).
 
 Torch-free: front ends build a request before anything loads torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ class Request:
     prompt cache. exact: exact greedy mode (None: the engine's default). history: the drafters.History it drafts
     from and adds its output to (None: the engine's own). engine: a router's engine to run it on (None: its choice).
     """
+
     prompt: str | list[dict]
     method: str = DEFAULT_METHOD
     gamma: int = DEFAULT_GAMMA
@@ -52,15 +54,25 @@ class Request:
 
     def checked_fields(self) -> dict:
         """The fields Engine.check judges without models, as its keyword arguments."""
-        return dict(method=self.method, gamma=self.gamma, max_new_tokens=self.max_new_tokens,
-                    temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, stop=self.stop,
-                    tree_width=self.tree_width, tree_depth=self.tree_depth, tree_nodes=self.tree_nodes)
+        return dict(
+            method=self.method,
+            gamma=self.gamma,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            stop=self.stop,
+            tree_width=self.tree_width,
+            tree_depth=self.tree_depth,
+            tree_nodes=self.tree_nodes,
+        )
 
 
 @dataclass(frozen=True)
 class Encoded:
     """A request with its prompt and prediction tokenized, once (Engine.encode_request): engines that share the
     tokenizer open it without tokenizing again."""
+
     request: Request
     prompt_ids: tuple[int, ...]
     prediction_ids: tuple[int, ...] | None = None  # None: no prediction (or an empty one)

@@ -15,6 +15,7 @@ numerics, as the longer one. A request may pin an engine (`engine=`).
 Torch joins only where a bf16 matrix product over 16 rows measures at most FLAT_RATIO times one over a single
 row on this machine (`flat_ratio`: timed, never assumed from the CPU's name) and memory allows the bf16 copy.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,7 +99,7 @@ def tokens_per_second(costs, context: int, alpha: float, gamma: int | None = Non
         for k in sorted(c.target):
             if k < 2:
                 continue
-            tokens = (1 - alpha ** k) / (1 - alpha)  # k - 1 guesses and the bonus
+            tokens = (1 - alpha**k) / (1 - alpha)  # k - 1 guesses and the bonus
             best = max(best, tokens / c.t(k))
     return best
 
@@ -112,8 +113,11 @@ class Router:
             raise SpecDecodeError("a router needs at least one engine")
         self.engines = engines
         self.primary = next(iter(engines.values()))
-        self.read_s = {n: compute.call(read_seconds, e, READ_TOKENS, remeasure)
-                       for n, e in engines.items()} if len(engines) > 1 else {}
+        self.read_s = (
+            {n: compute.call(read_seconds, e, READ_TOKENS, remeasure) for n, e in engines.items()}
+            if len(engines) > 1
+            else {}
+        )
         self.choices: dict[str, int] = {name: 0 for name in engines}
 
     @property
@@ -124,31 +128,57 @@ class Router:
         return getattr(self.__dict__["primary"], name)
 
     @classmethod
-    def load(cls, target=None, draft=None, *, backend: str = "auto", dtype=None, device=None, progress: bool = True,
-             threads=None, exact: bool = False, remeasure: bool = False, **kwargs):
+    def load(
+        cls,
+        target=None,
+        draft=None,
+        *,
+        backend: str = "auto",
+        dtype=None,
+        device=None,
+        progress: bool = True,
+        threads=None,
+        exact: bool = False,
+        remeasure: bool = False,
+        **kwargs,
+    ):
         """llama.cpp's engine, and beside it the same target on torch in bf16 where its passes measure flat here
         and memory allows, outside exact mode (which keeps every request on llama.cpp); a Router either way (with
         one engine it only forwards). remeasure: time this machine again (the bf16 probe, the prompt reads)
         instead of reading the cached results. Other arguments: Engine.load's."""
         if backend not in ("auto", "llama.cpp") or dtype is not None or device not in (None, "cpu"):
-            raise SpecDecodeError("--route runs a GGUF target on llama.cpp and on torch bf16, on the CPU: --backend, "
-                                  "--dtype and --device do not apply")
-        primary = Engine.load(target, draft, backend="llama.cpp", progress=progress, threads=threads, exact=exact,
-                              **kwargs)
+            raise SpecDecodeError(
+                "--route runs a GGUF target on llama.cpp and on torch bf16, on the CPU: --backend, "
+                "--dtype and --device do not apply"
+            )
+        primary = Engine.load(
+            target, draft, backend="llama.cpp", progress=progress, threads=threads, exact=exact, **kwargs
+        )
         engines = {"llama.cpp": primary}
         why = "exact mode runs every request on llama.cpp" if exact else torch_unsuited(primary, remeasure)
         if why is None:  # loaded, measured and run on the compute thread: torch and llama.cpp share one OpenMP pool
-            engines["torch"] = compute.call(lambda: Engine.load(
-                target, None, backend="torch", dtype="bf16", with_draft=False, progress=progress, threads=threads,
-                history_tokens=kwargs.get("history_tokens", 0), datastore=kwargs.get("datastore")))
+            engines["torch"] = compute.call(
+                lambda: Engine.load(
+                    target,
+                    None,
+                    backend="torch",
+                    dtype="bf16",
+                    with_draft=False,
+                    progress=progress,
+                    threads=threads,
+                    history_tokens=kwargs.get("history_tokens", 0),
+                    datastore=kwargs.get("datastore"),
+                )
+            )
             compute.call(engines["torch"].tree_costs)  # measured now (once per machine), not in the first request
         elif progress:
             print(f"--route: llama.cpp only ({why})", flush=True)
         primary.tree_costs()
         return cls(engines, remeasure)
 
-    def predict_s(self, name: str, prompt_tokens: int, new_tokens: int, alpha: float,
-                  gamma: int | None = None) -> float:
+    def predict_s(
+        self, name: str, prompt_tokens: int, new_tokens: int, alpha: float, gamma: int | None = None
+    ) -> float:
         """Seconds this request should take on engine `name`: its prompt read, then its tokens decoded (gamma: see
         tokens_per_second)."""
         costs = self.engines[name].tree_costs()
@@ -178,8 +208,10 @@ class Router:
         pinned = request.engine
         if pinned is not None:
             if pinned not in self.engines:
-                raise InvalidField(f"engine {pinned!r} is not loaded here; the engines are "
-                                   f"{' and '.join(map(repr, self.engines))}", param="engine")
+                raise InvalidField(
+                    f"engine {pinned!r} is not loaded here; the engines are {' and '.join(map(repr, self.engines))}",
+                    param="engine",
+                )
             if on_first and pinned != first:
                 why = "exact mode" if exact else f"method {request.method!r}"
                 raise InvalidField(f"engine {pinned!r} cannot run {why}, which runs on {first!r} only", param="engine")
@@ -230,13 +262,14 @@ def torch_unsuited(engine: Engine, remeasure: bool = False) -> str | None:
         return None
     ratio = probed_flat_ratio(engine, remeasure)
     if ratio > FLAT_RATIO:
-        return (f"a bf16 product over 16 rows costs {ratio:.1f}x one over 1 row here; "
-                f"torch joins at {FLAT_RATIO}x or less")
+        return (
+            f"a bf16 product over 16 rows costs {ratio:.1f}x one over 1 row here; torch joins at {FLAT_RATIO}x or less"
+        )
     n, path = getattr(engine.target, "n_params", None), getattr(engine.target, "path", None)
     need = torch_copy_bytes(path, n) if n and path else None  # the first load converts the file: its peak counts
     free = memory_available()
     if need is not None and free is not None and free < 1.25 * need:
-        return f"loading the bf16 copy needs about {need / 2 ** 30:.1f} GiB; {free / 2 ** 30:.1f} GiB is available"
+        return f"loading the bf16 copy needs about {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB is available"
     return None
 
 

@@ -5,6 +5,7 @@ two models would actually sample from, so temperature, top-k and top-p are appli
 this one function. Greedy decoding is its own path: argmax as a one-hot distribution, which the
 verifier treats like any other p (accept iff the draft token is the argmax).
 """
+
 from __future__ import annotations
 
 import math

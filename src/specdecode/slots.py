@@ -12,6 +12,7 @@ slot's logits read only its own cache cells (its own sequence ids). The kernels 
 size of the whole pass, so greedy output can differ from a generation alone at near-ties, as it can between
 pass sizes; exact mode runs one generation at a time (Slots refuses an exact Engine).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,14 @@ from .stats import Generation
 
 
 class Slots:
-    def __init__(self, engine: Engine, n: int, cells: int | None = None, prefill_chunk: int | None = None,
-                 context: int | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        n: int,
+        cells: int | None = None,
+        prefill_chunk: int | None = None,
+        context: int | None = None,
+    ):
         """n slots sharing a context of `cells` KV entries (default: 4,096 per slot, within the model's context),
         split evenly; or, given `context`, as many as hold that many tokens of prompt and output in each slot beside
         its tree-node ids. A cache bigger than the memory available is refused before it is made. Each slot plans on
@@ -44,9 +51,11 @@ class Slots:
         if engine.target.batch_error is not None:  # before any cost measurement
             raise SpecDecodeError(engine.target.batch_error)
         if engine.exact:  # llama.cpp places each token's cell itself: sharing a cache breaks the cell order
-            raise SpecDecodeError("exact mode runs one generation at a time: in a cache shared by several generations "
-                                  "llama.cpp may place a token's cell before its earlier ones, and attention then sums "
-                                  "in another order")
+            raise SpecDecodeError(
+                "exact mode runs one generation at a time: in a cache shared by several generations "
+                "llama.cpp may place a token's cell before its earlier ones, and attention then sums "
+                "in another order"
+            )
         self.engine, self.n = engine, n
         self.lockstep = Lockstep()
         costs = engine.tree_costs()
@@ -66,16 +75,26 @@ class Slots:
             drafts = make_slots(engine.draft_model.lm, n, cells, self.lockstep, None)
         self.engines = []
         for target, draft in zip(targets, drafts):
-            e = Engine(target, copy.deepcopy(engine.tokenizer), draft, draft_window=getattr(engine.draft_model,
-                       "window", None))
-            e.costs, e.datastore, e.progress = BatchPricing(costs, self._others, self.calls), engine.datastore, \
-                engine.progress
+            e = Engine(
+                target, copy.deepcopy(engine.tokenizer), draft, draft_window=getattr(engine.draft_model, "window", None)
+            )
+            e.costs, e.datastore, e.progress = (
+                BatchPricing(costs, self._others, self.calls),
+                engine.datastore,
+                engine.progress,
+            )
             e.prompt_cache = engine.prompt_cache  # each slot reuses what its own cache holds
             target.prefill_chunk = self.prefill_chunk
             self.engines.append(e)
 
-    def check_tree(self, method: str, tree_width: int | None = None, tree_depth: int | None = None,
-                   tree_nodes: int | None = None, **_) -> None:
+    def check_tree(
+        self,
+        method: str,
+        tree_width: int | None = None,
+        tree_depth: int | None = None,
+        tree_nodes: int | None = None,
+        **_,
+    ) -> None:
         """InvalidField naming the field where a request's tree shape asks for more tree nodes than a slot's share of
         the ids holds (the Engine's own check, on a slot's models): a server refuses it before answering, as a slot
         would only when it opens the request."""
@@ -116,6 +135,7 @@ class Slots:
                 except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
                     with lock:
                         errors.append(e)
+
         threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(min(self.n, len(prompts)))]
         for t in threads:
             t.start()
@@ -130,17 +150,21 @@ def slot_cells(engine: Engine, n: int, cells: int | None, context: int | None) -
     """The cells of n slots' shared context (see Slots), checked against the memory available for their keys and values
     (the target's and the draft's)."""
     from .backends import node_ids
+
     if context is not None:
         if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= engine.target.max_length:
-            raise SpecDecodeError(f"a slot's context must be 1..{engine.target.max_length} tokens (the model's), "
-                                  f"got {context!r}")
+            raise SpecDecodeError(
+                f"a slot's context must be 1..{engine.target.max_length} tokens (the model's), got {context!r}"
+            )
         cells = n * (context + node_ids(n))
     cells = cells or n * min(4096, engine.target.max_length)
     lms = [engine.target] + ([engine.draft_model.lm] if engine.draft_model is not None else [])
     need = sum(cells * lm.kv_cell_bytes() for lm in lms if hasattr(lm, "kv_cell_bytes"))
     free = memory_available()
     if free is not None and need > free:
-        raise SpecDecodeError(f"{n} slots of {cells // n} cache cells need {need / 2 ** 30:.1f} GiB for keys and "
-                              f"values, more than the {free / 2 ** 30:.1f} GiB available: fewer slots or a smaller "
-                              "context (--parallel, --ctx-size)")
+        raise SpecDecodeError(
+            f"{n} slots of {cells // n} cache cells need {need / 2**30:.1f} GiB for keys and "
+            f"values, more than the {free / 2**30:.1f} GiB available: fewer slots or a smaller "
+            "context (--parallel, --ctx-size)"
+        )
     return cells

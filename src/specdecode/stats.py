@@ -1,5 +1,6 @@
 """What one generation counted (Stats: passes, drafted and accepted tokens by position, strategy and
 source, the cost model's predictions, timings) and what it returns (Generation)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,7 @@ def decode_rate(new_tokens: int, wall_s: float, ttft_s: float | None, first_toke
 @dataclass
 class Stats:
     """Counters of one generation. target_forwards counts verify passes (the prefill is not one)."""
+
     method: str = "autoregressive"
     gamma: int = 0
     prompt_tokens: int = 0
@@ -113,8 +115,9 @@ class Stats:
             self.sources.setdefault(s, {"drafted": 0, "accepted": 0})["drafted"] += 1
         for i in path:
             self.sources[sources[i]]["accepted"] += 1
-        self._passes.append([accepted + 1 if emitted is None else emitted, accepted, [sources[i] for i in path],
-                             len(draft.tokens)])
+        self._passes.append(
+            [accepted + 1 if emitted is None else emitted, accepted, [sources[i] for i in path], len(draft.tokens)]
+        )
         self.target_forwards += 1
         self.drafted += len(draft.tokens)
         self.accepted += accepted
@@ -129,8 +132,7 @@ class Stats:
                 self._plain_weighted += draft.expected * draft.plain_s
                 self.plain_step_s = self._plain_weighted / self.expected_tokens
         self.catchup_s += draft.catchup_s
-        strategy = draft.strategy or ("plain" if not draft.tokens else "tree" if draft.parents is not None
-                                      else "draft")
+        strategy = draft.strategy or ("plain" if not draft.tokens else "tree" if draft.parents is not None else "draft")
         self.strategies[strategy] = self.strategies.get(strategy, 0) + 1
         grow = depth - len(self.drafted_per_position)
         if grow > 0:
@@ -144,7 +146,8 @@ class Stats:
         """The prediction's usage fields against the generation's final output (after any stop string's cut): the
         whole prediction where the output ended on its own, as far as it could reach where it was cut."""
         self.accepted_prediction_tokens, self.rejected_prediction_tokens = prediction_usage(
-            prediction, output, finished=self.finish_reason in ("eos", "stop"))
+            prediction, output, finished=self.finish_reason in ("eos", "stop")
+        )
 
     def truncate(self, new_tokens: int) -> None:
         """The output was cut to its first new_tokens tokens (a stop string ended it): accepted draft
@@ -164,10 +167,15 @@ class Stats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
-                 tokens_per_second=self.tokens_per_second, decode_tokens_per_second=self.decode_tokens_per_second,
-                 mean_tree_nodes=self.mean_tree_nodes,
-                 expected_tokens_per_pass=self.expected_tokens_per_pass, predicted_speedup=self.predicted_speedup)
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_tokens=self.mean_accepted_tokens,
+            tokens_per_second=self.tokens_per_second,
+            decode_tokens_per_second=self.decode_tokens_per_second,
+            mean_tree_nodes=self.mean_tree_nodes,
+            expected_tokens_per_pass=self.expected_tokens_per_pass,
+            predicted_speedup=self.predicted_speedup,
+        )
         return d
 
 

@@ -1,4 +1,5 @@
 """Streaming text: committed token ids turned into text deltas incrementally, with stop strings."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,17 @@ class TextStream:
 
     __slots__ = ("engine", "steps", "stats", "stops", "result", "encoded", "cache_scope", "_interrupt")
 
-    def __init__(self, engine, steps: Iterator[list[int]], stats: Stats, stops: list[str], interrupt=None, *,
-                 encoded: Encoded | None = None, cache_scope: str | None = None):
+    def __init__(
+        self,
+        engine,
+        steps: Iterator[list[int]],
+        stats: Stats,
+        stops: list[str],
+        interrupt=None,
+        *,
+        encoded: Encoded | None = None,
+        cache_scope: str | None = None,
+    ):
         """engine: what decodes ids to text (engine.decode); steps: the loop's committed ids, step by step;
         interrupt: the prefill.Interrupt those steps ask between the prompt's passes (they raise Interrupted);
         encoded: the request it runs, tokenized (Engine.open); cache_scope: whose text the target's cache keeps for
@@ -104,13 +114,17 @@ class TextStream:
                 end = len(after)
                 while end > final and after[end - 1] == "\ufffd":  # a character that may still miss bytes
                     end -= 1
-                added = after[len(before) + len(text) - base:end]
+                added = after[len(before) + len(text) - base : end]
                 text += added
                 if end == len(after) > len(before):  # nothing held back: slide the window past every token
                     context, read, base = read, len(ids), base + len(after) - len(before)
                     before = decode(ids[context:read])
-                elif local and cut > read and after.startswith(settled) and (
-                        not settled.endswith("\ufffd") or settled + decode(ids[cut:]) == after):
+                elif (
+                    local
+                    and cut > read
+                    and after.startswith(settled)
+                    and (not settled.endswith("\ufffd") or settled + decode(ids[cut:]) == after)
+                ):
                     # ids[:cut] end between two characters (settled's last is whole, or the text is the same
                     # decoded in two parts): slide past them
                     context, read, base = read, cut, base + len(settled) - len(before)
@@ -125,7 +139,7 @@ class TextStream:
                 else:
                     safe = stops.safe_length()
                 if safe > len(sent):
-                    delta = text[len(sent):safe]
+                    delta = text[len(sent) : safe]
                     sent += delta
                     yield delta
                 if cut is not None:
@@ -145,7 +159,7 @@ class TextStream:
         stats = self.stats
         text = self.engine.decode(ids) if stats.finish_reason != "stop" and not interrupted else sent
         if len(text) > len(sent) and text.startswith(sent):
-            yield text[len(sent):]
+            yield text[len(sent) :]
         if self.prediction_ids:
             stats.count_prediction(self.prediction_ids, ids)
         self.result = Generation(text, ids, stats)
@@ -219,6 +233,6 @@ def _failure(s: str) -> list[int]:
 
 def _shortest_prefix_with_stop(ids: list[int], decode, stops: list[str]) -> list[int]:
     k = len(ids)
-    while k > 1 and any(s in decode(ids[:k - 1]) for s in stops):
+    while k > 1 and any(s in decode(ids[: k - 1]) for s in stops):
         k -= 1
     return ids[:k]

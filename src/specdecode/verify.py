@@ -12,6 +12,7 @@ et al. 2024): at each node try the children in turn, accepting child x with prob
 min(1, p(x)/q(x)), and after each rejection replace p by the normalized residual max(0, p - q)
 before trying the next child; when every child is rejected, sample from what is left of p.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,10 @@ def verify(
     B, g1, _ = p.shape
     gamma = g1 - 1
     if draft_tokens.shape != (B, gamma) or (q is not None and q.shape != (B, gamma, p.shape[-1])):
-        raise ValueError(f"shape mismatch: p {tuple(p.shape)}, q {None if q is None else tuple(q.shape)}, "
-                         f"draft_tokens {tuple(draft_tokens.shape)}")
+        raise ValueError(
+            f"shape mismatch: p {tuple(p.shape)}, q {None if q is None else tuple(q.shape)}, "
+            f"draft_tokens {tuple(draft_tokens.shape)}"
+        )
     if gamma == 0:
         return torch.zeros(B, dtype=torch.long, device=p.device), sample(p[:, 0], generator)
 
@@ -89,8 +92,10 @@ def verify_tree(
     """
     n = len(tokens)
     if len(parents) != n or p.shape[0] != n + 1 or (q is not None and q.shape != (n, p.shape[-1])):
-        raise ValueError(f"shape mismatch: p {tuple(p.shape)}, {n} tokens, {len(parents)} parents, "
-                         f"q {None if q is None else tuple(q.shape)}")
+        raise ValueError(
+            f"shape mismatch: p {tuple(p.shape)}, {n} tokens, {len(parents)} parents, "
+            f"q {None if q is None else tuple(q.shape)}"
+        )
     children: list[list[int]] = [[] for _ in range(n + 1)]  # by p row: row 0 = root, row i+1 = node i
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:

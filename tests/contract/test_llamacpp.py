@@ -21,6 +21,7 @@ accumulates in reduced precision in the order cells sit in the KV buffer. So, on
 Every model runs on ONE thread (THREADS): llama.cpp's workers spin-wait, and on a busy 2-core machine
 a 1-token pass of these models took 260 ms with 2 threads against 0.15 ms with one.
 """
+
 from __future__ import annotations
 
 import os
@@ -77,12 +78,14 @@ def write_near_gguf(path):
     """The target (seed 0) with Gaussian noise on its output layer: a draft that agrees with the target on
     most greedy tokens and on about 55-90% of the sampled mass, so that drafted tokens are accepted and
     rejected (the seed-1 draft's top tokens never overlap the target's: it accepts nothing)."""
+
     def noisy(seed, **kw):
         model = tiny_model(seed, **kw)
         with torch.no_grad():
             g = torch.Generator().manual_seed(1234)
             model.lm_head.weight.add_(NEAR_NOISE * torch.randn(model.lm_head.weight.shape, generator=g))
         return model
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tinygguf, "tiny_model", noisy)
         return tinygguf.write_tiny_gguf(path, 0)
@@ -117,8 +120,10 @@ def exact_lm(path) -> LlamaLM:
 @pytest.fixture(scope="module")
 def lms(files):
     """{config: (lm under test, reference for fresh prefills)} for the default and the exact context."""
-    return {"default": (LlamaLM(files.target, threads=THREADS), LlamaLM(files.target, threads=THREADS)),
-            "exact": (exact_lm(files.target), exact_lm(files.target))}
+    return {
+        "default": (LlamaLM(files.target, threads=THREADS), LlamaLM(files.target, threads=THREADS)),
+        "exact": (exact_lm(files.target), exact_lm(files.target)),
+    }
 
 
 def fresh(ref: LlamaLM, ids: list[int]) -> torch.Tensor:
@@ -134,17 +139,20 @@ def assert_close(got, want, tol, what=""):
 
 
 def load_engine(target, draft=None, **kw) -> Engine:
-    return Engine.load(str(target), None if draft is None else str(draft), backend="llama.cpp", progress=False,
-                       threads=THREADS, **kw)
+    return Engine.load(
+        str(target), None if draft is None else str(draft), backend="llama.cpp", progress=False, threads=THREADS, **kw
+    )
 
 
 # ============================================================= 1. both loaders
+
 
 def test_a_llama_model_puts_torch_on_one_thread_until_a_torch_model_comes(files, monkeypatch):
     """torch's libgomp runs llama.cpp's passes too, and every thread running a parallel torch op keeps a pool that
     makes llama.cpp's barriers sleep (serve: 11.0 -> 15.3 tok/s with torch on one thread): loading a llama.cpp
     model sets torch to 1 thread; a torch model loaded later gets the process's threads back."""
     import specdecode.backends.loading as loading
+
     before = torch.get_num_threads()
     monkeypatch.setattr(loading, "_torch_models", False)
     monkeypatch.setattr(loading, "_lowered_from", None)
@@ -173,8 +181,11 @@ def test_both_loaders_agree(files):
     # one tokenizer, read from the same file by both loaders, equal to the one the file was written from
     assert tok.get_vocab() == hf_tok.get_vocab() == byte_tokenizer().get_vocab()
     messages = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
-        hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == "<user>hi\n<assistant>"
+    assert (
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        == hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        == "<user>hi\n<assistant>"
+    )
     reference = tiny_model(0)
     exact = exact_lm(files.target)
     worst = 0.0
@@ -269,6 +280,7 @@ def near_engine(files, module_cache):
 def exact_engine(files, module_cache):
     """The near pair on contexts with F32 keys/values and no flash attention (Engine wraps loaded LMs)."""
     from specdecode.backends import gguf_tokenizer
+
     tok = gguf_tokenizer(files.target, progress=False)
     return Engine(exact_lm(files.target), tok, exact_lm(files.near), gguf_tokenizer(files.near, progress=False))
 
@@ -277,15 +289,18 @@ def exact_engine(files, module_cache):
 def greedy(engine, near_engine, exact_engine, files):
     """name -> (engine, reference LM for fresh prefills, tie bound, plain decoding's output by prompt)."""
     cases = {}
-    for name, eng, ref, tie in (("seed1", engine, LlamaLM(files.target, threads=THREADS), TIE),
-                                ("near", near_engine, LlamaLM(files.target, threads=THREADS), TIE),
-                                ("exact", exact_engine, exact_lm(files.target), TIE_EXACT)):
+    for name, eng, ref, tie in (
+        ("seed1", engine, LlamaLM(files.target, threads=THREADS), TIE),
+        ("near", near_engine, LlamaLM(files.target, threads=THREADS), TIE),
+        ("exact", exact_engine, exact_lm(files.target), TIE_EXACT),
+    ):
         memo = {}
 
         def plain(prompt, eng=eng, memo=memo):
             if prompt not in memo:
                 memo[prompt] = eng.generate(prompt, method="autoregressive", max_new_tokens=N_GREEDY).token_ids
             return memo[prompt]
+
         cases[name] = SimpleNamespace(engine=eng, ref=ref, tie=tie, plain=plain)
     return cases
 
@@ -301,29 +316,41 @@ def check_greedy(case, prompt, got, what):
     tokens. Either way every token of got must be an argmax of the text before it, up to that bound."""
     prompt_ids, want, ref, tie = case.engine.encode(prompt), case.plain(prompt), case.ref, case.tie
     ref.reset()
-    rows = ref.forward(prompt_ids + got)[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(got)]
+    rows = ref.forward(prompt_ids + got)[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(got)]
     slack = rows.max(-1).values - rows[torch.arange(len(got)), torch.tensor(got)]
-    assert slack.max().item() <= tie, (f"{what}: token {int(slack.argmax())} is {slack.max().item():.3g} "
-                                       "below the argmax")
+    assert slack.max().item() <= tie, (
+        f"{what}: token {int(slack.argmax())} is {slack.max().item():.3g} below the argmax"
+    )
     if got == want:
         return 0
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     assert i < min(len(got), len(want)), f"{what}: {len(got)} tokens against plain decoding's {len(want)}"
     top = fresh(ref, prompt_ids + want[:i]).topk(2)
     margin = (top.values[0] - top.values[1]).item()
-    assert set(top.indices.tolist()) == {got[i], want[i]} and margin <= tie, \
+    assert set(top.indices.tolist()) == {got[i], want[i]} and margin <= tie, (
         f"{what}: diverges at token {i} ({got[i]} vs {want[i]}), where the top-2 margin is {margin:.3g}"
+    )
     return 1
 
 
-GREEDY_CASES = [("draft", dict(gamma=1)), ("draft", dict(gamma=3)), ("draft", dict(gamma=6)), ("pld", dict(gamma=4)),
-                ("tree", {}), ("tree", dict(tree_width=2, tree_depth=3)),
-                ("tree", dict(tree_width=3, tree_depth=4, tree_nodes=6)), ("auto", {})]
+GREEDY_CASES = [
+    ("draft", dict(gamma=1)),
+    ("draft", dict(gamma=3)),
+    ("draft", dict(gamma=6)),
+    ("pld", dict(gamma=4)),
+    ("tree", {}),
+    ("tree", dict(tree_width=2, tree_depth=3)),
+    ("tree", dict(tree_width=3, tree_depth=4, tree_nodes=6)),
+    ("auto", {}),
+]
 
 
 @pytest.mark.parametrize("which", ["seed1", "near", "exact"])
-@pytest.mark.parametrize("method, kw", GREEDY_CASES, ids=lambda x: x if isinstance(x, str) else
-                         "-".join(f"{k}{v}" for k, v in x.items()) or "cost-model")
+@pytest.mark.parametrize(
+    "method, kw",
+    GREEDY_CASES,
+    ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()) or "cost-model",
+)
 def test_greedy_methods_equal_autoregressive(greedy, which, method, kw):
     case = greedy[which]
     eng = case.engine
@@ -381,8 +408,9 @@ def test_generation_stops_at_the_context_limit(files, module_cache):
     prompt = "".join(chr(97 + (2 + 7 * i) % 26) for i in range(200))  # (other shifts hit EOS early)
     want = eng.generate(prompt, method="autoregressive", max_new_tokens=100)
     assert len(want.token_ids) == 56 and want.stats.finish_reason == "length"
-    case = SimpleNamespace(engine=eng, ref=LlamaLM(files.short, threads=THREADS), tie=TIE,
-                           plain=lambda _: want.token_ids)
+    case = SimpleNamespace(
+        engine=eng, ref=LlamaLM(files.short, threads=THREADS), tie=TIE, plain=lambda _: want.token_ids
+    )
     for method, kw in (("draft", dict(gamma=4)), ("pld", {}), ("tree", dict(tree_width=2, tree_depth=5))):
         out = eng.generate(prompt, method=method, max_new_tokens=100, **kw)
         check_greedy(case, prompt, out.token_ids, method)
@@ -422,8 +450,15 @@ def sampled_pairs(eng, n, method, seed0=0, **kw):
     counts = np.zeros((V, V))
     accepted = rejections = deep = 0
     for s in range(n):
-        out = eng.generate(SAMPLED_PROMPT, method=method, max_new_tokens=3, temperature=SAMPLED.temperature,
-                           top_k=SAMPLED.top_k, seed=seed0 + s, **kw)
+        out = eng.generate(
+            SAMPLED_PROMPT,
+            method=method,
+            max_new_tokens=3,
+            temperature=SAMPLED.temperature,
+            top_k=SAMPLED.top_k,
+            seed=seed0 + s,
+            **kw,
+        )
         ids = out.token_ids
         assert len(ids) >= 2, ids  # (no EOS in the support: checked on the law)
         counts[ids[0], ids[1]] += 1
@@ -453,7 +488,7 @@ def test_sampled_draft_chain_keeps_the_target_distribution(near_engine, law, mon
     # negative controls: the same harness with a wrong verifier must fail
     for wrong in (accept_everything, residual_is_p):
         monkeypatch.setattr(verify_mod, "verify", wrong)
-        bad, _ = sampled_pairs(near_engine, N_CONTROL, "draft", seed0=10 ** 6, gamma=2)
+        bad, _ = sampled_pairs(near_engine, N_CONTROL, "draft", seed0=10**6, gamma=2)
         p_bad = gof_pvalue(bad, law)
         assert p_bad < ALPHA, (wrong.__name__, p_bad)
 
@@ -470,7 +505,7 @@ def test_sampled_tree_keeps_the_target_distribution(near_engine, law, monkeypatc
     assert p1 > ALPHA, p1
     # negative control: siblings tried against p itself, never the residual (test_verify_tree's control)
     monkeypatch.setattr(verify_mod, "verify_tree", no_residual_update("p"))
-    bad, _ = sampled_pairs(near_engine, N_CONTROL, "tree", seed0=10 ** 6, **kw)
+    bad, _ = sampled_pairs(near_engine, N_CONTROL, "tree", seed0=10**6, **kw)
     p_bad = gof_pvalue(bad, law)
     assert p_bad < ALPHA, p_bad
 
@@ -490,8 +525,13 @@ def leftovers(root):
 
 def corrupt_files(files, tmp_path):
     good = files.target.read_bytes()
-    made = {"garbage": os.urandom(4096), "gguf-magic-then-garbage": b"GGUF" + os.urandom(4096),
-            "truncated-half": good[:len(good) // 2], "truncated-header": good[:3000], "empty": b""}
+    made = {
+        "garbage": os.urandom(4096),
+        "gguf-magic-then-garbage": b"GGUF" + os.urandom(4096),
+        "truncated-half": good[: len(good) // 2],
+        "truncated-header": good[:3000],
+        "empty": b"",
+    }
     paths = {}
     for name, data in made.items():
         paths[name] = tmp_path / f"{name}.gguf"
@@ -523,13 +563,42 @@ def test_missing_and_corrupt_gguf_are_clear_errors(files, tmp_path):
 def test_cli_exit_2_with_one_line(files, tiny_dirs, tmp_path, capsys):
     bad = corrupt_files(files, tmp_path)["gguf-magic-then-garbage"]
     for target, match in ((bad, "GGUF"), (tmp_path / "missing.gguf", "not found"), (tiny_dirs[0], "GGUF")):
-        code = main(["generate", "hello", "--target", str(target), "--backend", "llama.cpp", "--threads", "1",
-                     "--max-new-tokens", "4"])
+        code = main(
+            [
+                "generate",
+                "hello",
+                "--target",
+                str(target),
+                "--backend",
+                "llama.cpp",
+                "--threads",
+                "1",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("specdecode: error:") and match in err[0], err
     # (--json: no progress bar for choosing the draft's quantization, which runs before the vocabulary check)
-    code = main(["generate", "hello", "--target", str(files.target), "--draft", str(files.wide), "--backend",
-                 "llama.cpp", "--threads", "1", "--method", "draft", "--max-new-tokens", "4", "--json"])
+    code = main(
+        [
+            "generate",
+            "hello",
+            "--target",
+            str(files.target),
+            "--draft",
+            str(files.wide),
+            "--backend",
+            "llama.cpp",
+            "--threads",
+            "1",
+            "--method",
+            "draft",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "vocabulary" in err[0], err
     assert leftovers(cache_dir()) == []
@@ -537,9 +606,28 @@ def test_cli_exit_2_with_one_line(files, tiny_dirs, tmp_path, capsys):
 
 def test_cli_generates_on_llama_cpp(files, greedy, capsys):
     import json
-    code = main(["generate", "hello world", "--target", str(files.target), "--draft", str(files.draft), "--backend",
-                 "llama.cpp", "--threads", "1", "--method", "draft", "--gamma", "3", "--max-new-tokens", "40",
-                 "--json"])
+
+    code = main(
+        [
+            "generate",
+            "hello world",
+            "--target",
+            str(files.target),
+            "--draft",
+            str(files.draft),
+            "--backend",
+            "llama.cpp",
+            "--threads",
+            "1",
+            "--method",
+            "draft",
+            "--gamma",
+            "3",
+            "--max-new-tokens",
+            "40",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == greedy["seed1"].plain("hello world")[:40]
@@ -583,8 +671,9 @@ def test_small_context_gguf_is_not_a_crash(files, tmp_path):
             print("error", e)
         """)
     r = run_child([sys.executable, "-c", script], timeout=120, env={"SPECDECODE_CACHE": str(tmp_path / "cache")})
-    assert r.returncode == 0 and r.stdout.startswith(("loaded", "error")), \
+    assert r.returncode == 0 and r.stdout.startswith(("loaded", "error")), (
         f"exit status {r.returncode}: {r.stderr.strip().splitlines()[-1:] if r.stderr.strip() else r.stdout}"
+    )
 
 
 def test_end_of_generation_tokens_are_llama_cpps_own_list(tmp_path):
@@ -606,8 +695,9 @@ def test_tree_shapes_are_checked_against_the_cache_before_the_request_starts(fil
         engine.stream("abc", method="tree", tree_nodes=300)
     with pytest.raises(SpecDecodeError, match="tree_width x tree_depth must be at most 255"):
         engine.stream("abc", method="tree", tree_width=64, tree_depth=8)
-    out = engine.generate("abc", method="tree", tree_width=16, tree_depth=4, temperature=1.0, seed=0,
-                          max_new_tokens=12)  # sampled: every drawn node is verified, 16 + 3 x 256 of them uncut
+    out = engine.generate(
+        "abc", method="tree", tree_width=16, tree_depth=4, temperature=1.0, seed=0, max_new_tokens=12
+    )  # sampled: every drawn node is verified, 16 + 3 x 256 of them uncut
     assert out.stats.tree["nodes"] == 255 and out.stats.new_tokens > 0
 
 
@@ -615,6 +705,7 @@ def _claims_amx(monkeypatch, probe: str):
     """A build that reports AMX_INT8 (as a native build on a CPU with AMX does), a file with weights of a type
     AMX takes, and the child's check replaced by `probe` (plain Python: no model is loaded)."""
     import specdecode.backends.llamacpp.amx as L
+
     monkeypatch.setattr(L, "_system_info", lambda lc: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |")
     monkeypatch.setattr(L, "_amx_weight_types", lambda path: {"Q4_K"})
     monkeypatch.setattr(L, "AMX_PROBE", probe)
@@ -626,6 +717,7 @@ def test_amx_check_leaves_a_corrupt_file_to_llama_cpps_clear_error(files, tmp_pa
     """On a build with AMX kernels the check reads the file's tensor types first: a file that is not a GGUF must
     still end in llama.cpp's clear error, not in the gguf reader's ValueError."""
     import specdecode.backends.llamacpp.amx as L
+
     monkeypatch.setattr(L, "_system_info", lambda lc: b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |")
     monkeypatch.setattr(L, "_amx_usable", {})
     bad = tmp_path / "bad.gguf"

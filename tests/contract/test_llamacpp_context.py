@@ -3,6 +3,7 @@ because a large context makes each step slower (values are stored transposed wit
 and doubles while a generation needs more: sized before the prompt's read for the prompt and max_new_tokens, so
 that no generation stops mid-way to move or read its text again. A context made anew keeps the text cached in it
 (its keys and values copied; exact mode reads it again, asking the interrupt between the passes)."""
+
 from __future__ import annotations
 
 import pytest
@@ -59,6 +60,7 @@ def test_engine_reserves_the_whole_generation(gguf, monkeypatch):
 
 def test_flash_attention_off_by_default(gguf):
     import llama_cpp as lc
+
     assert LlamaLM(gguf, threads=1)._cparams.flash_attn_type == lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
 
 
@@ -70,18 +72,21 @@ def test_every_pass_runs_on_one_compute_thread_whoever_asks(gguf, monkeypatch):
 
     from specdecode.backends import compute, slots as make_slots
     from specdecode.backends.llamacpp.batching import Lockstep
+
     lm = LlamaLM(gguf, threads=1)
     callers, real = [], lm._lc.llama_decode
 
     def spy(ctx, batch):
         callers.append(threading.get_ident())
         return real(ctx, batch)
+
     monkeypatch.setattr(lm._lc, "llama_decode", spy)
     ids = [(5 * i + 3) % 200 for i in range(40)]
     ref = lm.forward(ids, last_only=True)
     got = []
-    threads = [threading.Thread(target=lambda: (lm.reset(), got.append(lm.forward(ids, last_only=True))))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: (lm.reset(), got.append(lm.forward(ids, last_only=True)))) for _ in range(2)
+    ]
     for t in threads:
         t.start()
         t.join()
@@ -115,6 +120,7 @@ def test_a_forked_child_gets_its_own_compute_thread(gguf):
             os._exit(0)
     os.close(w)
     import select
+
     ready, _, _ = select.select([r], [], [], 60)
     out = os.read(r, 16) if ready else b"timeout"
     os.waitpid(pid, 0) if ready else (os.kill(pid, 9), os.waitpid(pid, 0))
@@ -126,6 +132,7 @@ def test_a_generation_without_a_length_does_not_keep_the_context_grown(gguf, mon
     grows, not all of it up front, and a context that grew shrinks back when a later generation starts on an
     empty cache (a bigger context makes every step slower, and holds more memory)."""
     import specdecode.prefill as prefill_mod
+
     monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 64)
     monkeypatch.setattr(prefill_mod, "RESERVE_AHEAD", 128, raising=False)
     target, tok, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
@@ -148,7 +155,7 @@ def test_a_generation_without_a_length_does_not_keep_the_context_grown(gguf, mon
     monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 4096)
     big, tok2, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
     ref = Engine(big, tok2).generate(prompt, method="autoregressive", max_new_tokens=300)
-    assert grown.token_ids == ref.token_ids and short.token_ids == ref.token_ids[:len(short.token_ids)]
+    assert grown.token_ids == ref.token_ids and short.token_ids == ref.token_ids[: len(short.token_ids)]
 
 
 def _watched(monkeypatch, lm):
@@ -164,6 +171,7 @@ def _watched(monkeypatch, lm):
     def spy_decode(tokens):
         starts.extend(t[1] for t in tokens[:1] if t[1] == 0)
         return decode(tokens)
+
     monkeypatch.setattr(lm, "_new_context", spy_new)
     monkeypatch.setattr(lm, "_decode", spy_decode)
     return made, starts
@@ -175,6 +183,7 @@ def test_a_long_generation_is_sized_up_front_and_never_moves_its_text(gguf, monk
     contexts are made on empty caches, before the prompt's read, with room for the whole generation; while it runs no
     context is made anew and no text is read again (each model reads position 0 once)."""
     import specdecode.prefill as prefill_mod
+
     monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 64)
     monkeypatch.setattr(prefill_mod, "RESERVE_AHEAD", 64)
     target, tok, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)
@@ -221,6 +230,7 @@ def test_a_cancel_during_a_reread_ends_the_stream(gguf, monkeypatch):
     be read again: the stream's interrupt stops it between the passes of that read, and the stream ends as an
     interrupted one does (no error)."""
     import specdecode.prefill as prefill_mod
+
     monkeypatch.setattr(llamacpp_mod, "FIRST_CTX", 64)
     monkeypatch.setattr(prefill_mod, "RESERVE_AHEAD", 64)
     target, tok, _ = load_lm(str(gguf), "llama.cpp", threads=1, progress=False)

@@ -14,6 +14,7 @@ with its path run as a chain pass of the same size within PADDED_TOL, with a fre
 CHAIN_TOL, and anything after a rollback within ROLLBACK_TOL (the order of the kept cells in the KV buffer changes
 flash attention's sums on the default context).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -48,6 +49,7 @@ class Backend:
     """One backend under the contract: `lm` (empty), `ref` (another LM on the same weights, for reference passes),
     `fresh(ids)` and `close(got, want, kind, what)`, kind "padded", "chain" (before any rollback) or "kept" (after
     one)."""
+
     name: str
     lm: object
     ref: object
@@ -80,9 +82,12 @@ def llama_lms(tmp_path_factory):
     """{config: (lm under test, reference for fresh prefills)} on the tiny target GGUF, built once per module."""
     from specdecode.backends.llamacpp import LlamaLM
     from tinygguf import exact_lm, write_tiny_gguf
+
     path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "target.gguf", 0)
-    return {"llama.cpp": (LlamaLM(path, threads=THREADS), LlamaLM(path, threads=THREADS)),
-            "llama.cpp-exact": (exact_lm(path, threads=THREADS), exact_lm(path, threads=THREADS))}
+    return {
+        "llama.cpp": (LlamaLM(path, threads=THREADS), LlamaLM(path, threads=THREADS)),
+        "llama.cpp-exact": (exact_lm(path, threads=THREADS), exact_lm(path, threads=THREADS)),
+    }
 
 
 @pytest.fixture(params=BACKENDS)
@@ -201,9 +206,11 @@ def test_tree_passes_in_a_row(backend):
     lm.forward(PROMPT)
     p = len(PROMPT)  # cache index of the root
     text = {p - 1: PROMPT}
-    for tokens, parents in (([ROOT, 20, 21, 20], [p - 1, p, p, p]),  # root + three children (the same token twice)
-                            ([30, 31, 30], [p + 1, p + 3, p + 1]),  # children of the first and third, interleaved
-                            ([40, 41, 42, 43], [p + 5, p + 2, p + 6, p + 7])):  # deeper, and a new node's child
+    for tokens, parents in (
+        ([ROOT, 20, 21, 20], [p - 1, p, p, p]),  # root + three children (the same token twice)
+        ([30, 31, 30], [p + 1, p + 3, p + 1]),  # children of the first and third, interleaved
+        ([40, 41, 42, 43], [p + 5, p + 2, p + 6, p + 7]),
+    ):  # deeper, and a new node's child
         start = len(lm)
         logits = lm.forward(tokens, parents=parents)
         for k, (tok, par) in enumerate(zip(tokens, parents)):
@@ -241,15 +248,18 @@ def test_chain_rollbacks(backend):
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("nodes", [
-    [1, 5, 7, 9],  # B -> B1 -> B11 -> B111: non-contiguous, the deepest branch
-    [1, 5],  # part of it
-    [2, 8],  # C -> C2
-    [0, 4],  # A -> A2: first node in place, the second moves
-    [2],  # C alone (a single non-contiguous entry)
-    [0, 3],  # A -> A1
-    [],  # the root alone
-])
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        [1, 5, 7, 9],  # B -> B1 -> B11 -> B111: non-contiguous, the deepest branch
+        [1, 5],  # part of it
+        [2, 8],  # C -> C2
+        [0, 4],  # A -> A2: first node in place, the second moves
+        [2],  # C alone (a single non-contiguous entry)
+        [0, 3],  # A -> A1
+        [],  # the root alone
+    ],
+)
 def test_tree_branch_rollback(backend, nodes, form):
     b, lm = backend, backend.lm
     tokens = random_tokens(len(BRANCHES), seed=7)
@@ -265,7 +275,7 @@ def test_tree_branch_rollback(backend, nodes, form):
             assert layer.keys.shape[-2] == layer.values.shape[-2] == len(committed)
     got = lm.forward([77, 78, 79])
     for k in range(3):
-        b.close(got[k], b.fresh(committed + [77, 78, 79][:k + 1]), "kept", f"token {k} after the branch")
+        b.close(got[k], b.fresh(committed + [77, 78, 79][: k + 1]), "kept", f"token {k} after the branch")
     # and a tree pass hangs off the compacted cache like off a fresh one
     local = SHAPES["random"]
     more = random_tokens(len(local), seed=18)
@@ -479,7 +489,7 @@ def test_random_operations_match_fresh_prefills(backend):
                 while plain < len(chain) and chain[plain] == plain:
                     plain += 1
                 length = rng.randrange(0, plain + 1)
-                path = chain[length:rng.randrange(length, len(chain) + 1)]
+                path = chain[length : rng.randrange(length, len(chain) + 1)]
                 lm.rollback(length, path)
                 keep = list(range(length)) + path
                 index = {old: new for new, old in enumerate(keep)}
@@ -505,15 +515,18 @@ def test_random_operations_match_fresh_prefills(backend):
 # ============================================================= 4. errors
 
 
-@pytest.mark.parametrize("parents", [
-    [6, 8, 7],  # token 1 (cache 8) is its own parent
-    [6, 9, 7],  # token 1's parent comes after it
-    [7, 7, 7],  # the root is its own parent
-    [-2, 7, 7],  # below -1
-    [6, 7],  # one parent too few
-    [6, 7, 3],  # token 2 hangs inside the committed text
-    [6, 7, -2],  # fails after token 1 got a sequence id (llama.cpp)
-])
+@pytest.mark.parametrize(
+    "parents",
+    [
+        [6, 8, 7],  # token 1 (cache 8) is its own parent
+        [6, 9, 7],  # token 1's parent comes after it
+        [7, 7, 7],  # the root is its own parent
+        [-2, 7, 7],  # below -1
+        [6, 7],  # one parent too few
+        [6, 7, 3],  # token 2 hangs inside the committed text
+        [6, 7, -2],  # fails after token 1 got a sequence id (llama.cpp)
+    ],
+)
 def test_bad_parents_raise_and_leave_the_cache_usable(backend, parents):
     b, lm = backend, backend.lm
     lm.forward(PROMPT)
@@ -528,14 +541,17 @@ def test_bad_parents_raise_and_leave_the_cache_usable(backend, parents):
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("nodes", [
-    [1, 6],  # B then C1: C1's parent is C, not B
-    [5],  # B1 without B: does not hang off the root
-    [5, 1],  # a branch, but not ascending
-    [7, 5, 1],  # the same, deeper
-    [0, 0],  # repeated
-    [1, 5, 105],  # out of range
-])
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        [1, 6],  # B then C1: C1's parent is C, not B
+        [5],  # B1 without B: does not hang off the root
+        [5, 1],  # a branch, but not ascending
+        [7, 5, 1],  # the same, deeper
+        [0, 0],  # repeated
+        [1, 5, 105],  # out of range
+    ],
+)
 def test_invalid_branch_raises_and_changes_nothing(backend, nodes, form):
     b, lm = backend, backend.lm
     tokens = random_tokens(len(BRANCHES), seed=4)

@@ -4,6 +4,7 @@ trees (its window could hide a node's own ancestors) while chains keep working a
 Tree passes, the tree attention mask, per-token positions and branch compaction run on both backends in
 test_lm_contract.py (reference for every check: a fresh CachedLM that prefills the same text as a plain chain).
 """
+
 import pytest
 import torch
 

@@ -2,6 +2,7 @@
 measured (a bigger pass may be cheaper); the planner choosing a cheaper larger pass; the draft model's
 window (positions re-based, greedy output unchanged); lazy reading and the catch-up cost in auto's
 decision to run the draft model."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,14 @@ V = 257
 
 # ============================================================= 1. costs at context lengths
 
+
 def test_costs_interpolate_by_context_length_and_continue_past_the_last():
-    c = CostModel({1: 1.0, 4: 2.0, 8: 4.0}, {1: 0.1, 8: 0.5},
-                  target_at={1024: {1: 1.5, 4: 2.6}, 2048: {1: 2.0, 4: 3.2}}, draft_at={1024: {1: 0.2, 8: 0.7}})
+    c = CostModel(
+        {1: 1.0, 4: 2.0, 8: 4.0},
+        {1: 0.1, 8: 0.5},
+        target_at={1024: {1: 1.5, 4: 2.6}, 2048: {1: 2.0, 4: 3.2}},
+        draft_at={1024: {1: 0.2, 8: 0.7}},
+    )
     assert c.t(1) == 1.0 and c.t(1, 128) == 1.0 and c.t(1, 50) == 1.0  # the base table below 128
     assert c.t(1, 1024) == pytest.approx(1.5) and c.t(4, 2048) == pytest.approx(3.2)
     assert c.t(1, 576) == pytest.approx(1.25)  # half way from 128 to 1024
@@ -116,6 +122,7 @@ def test_load_or_measure_times_long_contexts_and_refuses_an_old_format(monkeypat
     def fake(lm, sizes, context=costs_mod.CONTEXT, **kw):
         calls.append((lm.describe(), context, tuple(sizes)))
         return {n: 0.01 * n + context * 1e-5 for n in sizes}
+
     monkeypatch.setattr(costs_mod, "measure", fake)
     clock = [0.0]
     target, draft = _TimedLM(lambda n: n, clock, max_length=8192), _TimedLM(lambda n: n, clock, max_length=8192)
@@ -123,11 +130,15 @@ def test_load_or_measure_times_long_contexts_and_refuses_an_old_format(monkeypat
     assert sorted(costs.target_at) == list(costs_mod.LONG_CONTEXTS) and sorted(costs.draft_at) == [1024]
     assert max(costs.draft) == costs_mod.DRAFT_READ  # the draft's catch-up pass is timed
     assert costs.t(1, 2048) == pytest.approx(0.01 + 2048e-5)
-    assert all(max(s) <= costs_mod.LONG_SIZES or max(s) == costs_mod.DRAFT_READ  # the draft: its read pass
-               for _, c, s in calls if c != costs_mod.CONTEXT)
+    assert all(
+        max(s) <= costs_mod.LONG_SIZES or max(s) == costs_mod.DRAFT_READ  # the draft: its read pass
+        for _, c, s in calls
+        if c != costs_mod.CONTEXT
+    )
     n = len(calls)
     assert load_or_measure(target, draft, progress=False).target_at == costs.target_at and len(calls) == n  # cached
     from specdecode.backends import cache_dir
+
     (path,) = (cache_dir() / "costs").glob("*.json")
     raw = json.loads(path.read_text())
     del raw["format"]  # a table of the older format (made monotone, one context): measured again
@@ -144,6 +155,7 @@ def test_long_contexts_are_timed_only_within_the_budget(monkeypatch):
     def fake(lm, sizes, context=costs_mod.CONTEXT, **kw):
         contexts.append((lm.describe(), context))
         return {n: lm.per_token * n for n in sizes}
+
     monkeypatch.setattr(costs_mod, "measure", fake)
     clock = [0.0]
     target, draft = _TimedLM(lambda n: n, clock, max_length=8192), _TimedLM(lambda n: n, clock, max_length=8192)
@@ -201,6 +213,7 @@ def test_lookup_tree_uses_the_cheaper_bigger_pass():
 
 # ============================================================= 3. the draft's window
 
+
 @pytest.mark.parametrize("window", [3, 8, 20])
 @pytest.mark.parametrize("method", ["draft", "tree", "auto"])
 def test_draft_window_keeps_greedy_output(window, method):
@@ -246,12 +259,14 @@ def test_short_context_draft_keeps_drafting_with_a_window():
 
 def test_bad_draft_window(make_engine):
     from specdecode.errors import SpecDecodeError
+
     for bad in (0, -3, 2.5, True):
         with pytest.raises(SpecDecodeError, match="draft_window"):
             make_engine(draft_window=bad)
 
 
 # ============================================================= 4. catch-up in auto's decision
+
 
 @pytest.fixture
 def step_clock(monkeypatch):
@@ -260,32 +275,40 @@ def step_clock(monkeypatch):
     def tick():
         clock[0] += 1.0
         return clock[0]
+
     monkeypatch.setattr(tree_mod.time, "perf_counter", tick)
     return clock
 
 
 # a draft chain pays at short range here (a draft pass 0.05, a 5-token pass 1.3 plain steps), and
 # reading costs the draft 0.01 per token: 1000 unread tokens cost 10 plain steps
-READING = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4, 32: 2.0},
-                    {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.1, 128: 1.28})
+READING = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4, 32: 2.0}, {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.1, 128: 1.28})
 
 
 def _lazy(remaining, window=None, written=tree_mod.CATCHUP_WAIT):
     """A lazy drafter whose generation has already written `written` tokens (by default enough for any catch-up)."""
-    drafter = TreeDrafter(DraftModel(tiny_model(0, max_pos=4096), V, window=window), costs=READING,
-                          state=TreeState(), lazy=True, remaining=remaining)
+    drafter = TreeDrafter(
+        DraftModel(tiny_model(0, max_pos=4096), V, window=window),
+        costs=READING,
+        state=TreeState(),
+        lazy=True,
+        remaining=remaining,
+    )
     drafter.written = written
     return drafter
 
 
-@pytest.mark.parametrize("prompt_len,remaining,window,written,runs", [
-    (20, 64, None, 0, True),       # little to read, much to gain
-    (1000, 8, None, 16, False),    # reading 1000 tokens (10 plain steps) to save a fraction of 8 steps
-    (1000, 400, None, 16, True),   # ... pays over 400 tokens
-    (1000, 400, None, 15, False),  # ... but a long catch-up waits for the generation's first CATCHUP_WAIT tokens
-    (500, 400, None, 0, True),     # a shorter one does not wait
-    (1000, 8, 16, 0, True),        # with a window of 16 the draft reads 16 tokens, not 1000
-])
+@pytest.mark.parametrize(
+    "prompt_len,remaining,window,written,runs",
+    [
+        (20, 64, None, 0, True),  # little to read, much to gain
+        (1000, 8, None, 16, False),  # reading 1000 tokens (10 plain steps) to save a fraction of 8 steps
+        (1000, 400, None, 16, True),  # ... pays over 400 tokens
+        (1000, 400, None, 15, False),  # ... but a long catch-up waits for the generation's first CATCHUP_WAIT tokens
+        (500, 400, None, 0, True),  # a shorter one does not wait
+        (1000, 8, 16, 0, True),  # with a window of 16 the draft reads 16 tokens, not 1000
+    ],
+)
 def test_catch_up_cost_decides_whether_auto_runs_the_draft(step_clock, prompt_len, remaining, window, written, runs):
     ids = [(7 * i) % 200 for i in range(prompt_len)]
     drafter = _lazy(remaining, window, written)
@@ -342,8 +365,11 @@ def test_auto_reads_the_prompt_lazily_and_states_the_catch_up(step_clock):
 
 def test_can_pay_is_judged_at_every_measured_context():
     # at 128 tokens a 2-token pass costs 2 plain steps; at 2048 attention dominates and it costs 1.1
-    costs = CostModel({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.1},
-                      target_at={2048: {1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}})
+    costs = CostModel(
+        {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0},
+        {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.1},
+        target_at={2048: {1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}},
+    )
     assert draft_model_can_pay(costs, window=512)
     assert not draft_model_can_pay(CostModel(costs.target, costs.draft))
 
@@ -369,5 +395,6 @@ def test_one_burst_of_noise_does_not_end_the_table(fake_clock):
             if calls[5] == 1:
                 return 0.6  # 15 plain steps, once
         return kernel.get(n, 0.5)
+
     times = measure(_TimedLM(seconds, fake_clock), [1, 2, 4, 5, 8], repeats=2)
     assert times == pytest.approx(kernel)

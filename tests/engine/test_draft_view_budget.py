@@ -1,6 +1,7 @@
 """The draft model's view of the text (its window) begins where the generation's whole text, as far as its budget
 reaches, stays within 1.5 windows: the draft then never empties its cache to read a window again mid-generation,
 where the output is at most a window long. Greedy output is the target's either way."""
+
 from __future__ import annotations
 
 import pytest

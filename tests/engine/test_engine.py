@@ -1,4 +1,5 @@
 """End to end on tiny random fp32 models: speculative output equals plain decoding, token for token."""
+
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ def plain_of(models):
         if key not in done:
             done[key] = run(CachedLM(models[0]), None, list(prompt), 0, n)[0]
         return list(done[key])
+
     return plain
 
 
@@ -85,11 +87,20 @@ def test_draft_cache_stays_in_step(models):
     target, drafter = CachedLM(target_model), DraftModel(draft_model, 257)
     committed = list(PROMPTS[0])
     stats = Stats()
-    for new in speculative_decode(target, drafter, committed[:], gamma=4, params=GREEDY, max_new_tokens=60,
-                                  eos_ids=set(), generator=torch.Generator(), stats=stats):
+    for new in speculative_decode(
+        target,
+        drafter,
+        committed[:],
+        gamma=4,
+        params=GREEDY,
+        max_new_tokens=60,
+        eos_ids=set(),
+        generator=torch.Generator(),
+        stats=stats,
+    ):
         committed += new
         assert target.ids == committed[:-1]
-        assert drafter.lm.ids == committed[:len(drafter.lm.ids)]
+        assert drafter.lm.ids == committed[: len(drafter.lm.ids)]
         assert len(drafter.lm.ids) >= len(committed) - 2
 
 
@@ -116,7 +127,7 @@ def test_eos_inside_draft_stops_there(models):
     target_model, _ = models
     plain, _ = run(CachedLM(target_model), None, PROMPTS[0], 0, 100)
     eos = plain[37]  # pretend the 38th token is EOS: both methods must stop right after it
-    cut = plain[:plain.index(eos) + 1]
+    cut = plain[: plain.index(eos) + 1]
     for drafter in (DraftModel(target_model, 257), PromptLookup()):
         spec, stats = run(CachedLM(target_model), drafter, PROMPTS[0], 6, 100, eos={eos})
         assert spec == cut
@@ -157,6 +168,7 @@ def test_sampled_first_token_follows_target(models):
     from scipy.stats import chisquare
 
     from specdecode.sampling import probs_from_logits
+
     target_model, draft_model = models
     params = SamplingParams(temperature=1.5, top_k=8)
     prompt = PROMPTS[0]
@@ -175,6 +187,7 @@ def test_sampled_first_token_follows_target(models):
 
 # -- Engine API (text level) -------------------------------------------------------------------
 
+
 def test_engine_generate_text_and_stats(tiny_engine):
     a = tiny_engine.generate("hello world", method="autoregressive", max_new_tokens=40)
     for method in ("draft", "pld"):
@@ -183,9 +196,19 @@ def test_engine_generate_text_and_stats(tiny_engine):
         s = b.stats
         assert s.new_tokens == len(b.token_ids) and s.accepted <= s.drafted and s.wall_s > 0
         d = s.as_dict()
-        for key in ("new_tokens", "target_forwards", "drafted", "accepted", "acceptance_rate",
-                    "mean_accepted_tokens", "accepted_per_position", "wall_s", "tokens_per_second",
-                    "draft_s", "verify_s"):
+        for key in (
+            "new_tokens",
+            "target_forwards",
+            "drafted",
+            "accepted",
+            "acceptance_rate",
+            "mean_accepted_tokens",
+            "accepted_per_position",
+            "wall_s",
+            "tokens_per_second",
+            "draft_s",
+            "verify_s",
+        ):
             assert key in d
 
 
@@ -195,7 +218,7 @@ def test_stream_concatenates_to_text_and_never_splits_characters(make_engine):
     deltas = list(engine.stream("日本語のテキスト", method="pld", max_new_tokens=120, temperature=1.0, seed=1))
     result = engine.generate("日本語のテキスト", method="pld", max_new_tokens=120, temperature=1.0, seed=1)
     assert "".join(deltas) == result.text
-    assert all("\ufffd" not in d[-1:] or d == result.text[-len(d):] for d in deltas)
+    assert all("\ufffd" not in d[-1:] or d == result.text[-len(d) :] for d in deltas)
 
 
 def test_stop_strings(tiny_engine):
@@ -209,7 +232,7 @@ def test_stop_strings(tiny_engine):
         r = stream.result
         assert r.text == full.text[:idx] == "".join(deltas)
         assert r.stats.finish_reason == "stop"
-        assert r.token_ids == full.token_ids[:len(r.token_ids)] and r.stats.new_tokens == len(r.token_ids)
+        assert r.token_ids == full.token_ids[: len(r.token_ids)] and r.stats.new_tokens == len(r.token_ids)
         assert stop in tiny_engine.decode(r.token_ids) and stop not in tiny_engine.decode(r.token_ids[:-1])
 
 
@@ -220,20 +243,23 @@ def test_chat_template(tiny_engine):
     assert tiny_engine.generate("hi", chat=True, max_new_tokens=5).stats.prompt_tokens == len(ids)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(prompt=""), "empty"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=-3), "max_new_tokens"),
-    (dict(gamma=0), "gamma"),
-    (dict(gamma=-1), "gamma"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(method="beam"), "method"),
-    (dict(stop=[""]), "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt=""), "empty"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=-3), "max_new_tokens"),
+        (dict(gamma=0), "gamma"),
+        (dict(gamma=-1), "gamma"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(method="beam"), "method"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
 def test_bad_input_is_a_clear_error(tiny_engine, kwargs, match):
     kwargs = {"prompt": "hello", "method": "draft", **kwargs}
     with pytest.raises(SpecDecodeError, match=match):
@@ -249,6 +275,7 @@ def test_draft_method_without_draft_model(make_engine):
 def test_incompatible_tokenizers():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
+
     other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, "[UNK]")))
     with pytest.raises(SpecDecodeError, match="tokenizers differ"):
         Engine(tiny_model(0), byte_tokenizer(), tiny_model(1), other)
@@ -277,6 +304,7 @@ def test_two_streams_on_one_engine_never_corrupt_each_other(make_engine):
     """The models hold one KV cache each: a second stream that starts while one is open is refused with a
     clear error (the open one goes on undisturbed); a stream that ended, was closed or was dropped frees it."""
     import gc
+
     engine = make_engine()
     ref = engine.generate("abc", method="draft", max_new_tokens=24)
     a = iter(engine.stream("abc", method="draft", max_new_tokens=24))
@@ -301,6 +329,7 @@ def test_two_streams_on_one_engine_never_corrupt_each_other(make_engine):
 def _watched(engine, log):
     """Log what surrounds a generation where the LM and the Engine show it: the lease's lock, history.add, the target's
     padding, owner and release."""
+
     class Lock:
         def __init__(self, lock):
             self.lock = lock
@@ -336,6 +365,7 @@ def _watched(engine, log):
         def release(self):
             log.append("release")
             super().release()
+
     engine.target.__class__ = Watched
     engine.lease._lock = Lock(engine.lease._lock)
     add = engine.history.add
@@ -349,10 +379,11 @@ def test_what_surrounds_a_generation_is_left_in_reverse_however_it_ends(mode, en
     that order and left in the reverse, whether the steps run out, the stream is closed between steps (a client gone)
     or a pass fails (the cache then left to nobody)."""
     from specdecode.exactness import ExactLimits
+
     tok = byte_tokenizer()
     engine = Engine(tiny_model(0), tok, history_tokens=1000, prompt_cache=mode == "prompt cache")
     kwargs = {"exact": True} if mode == "exact padded" else {}
-    engine._exact_limits = ExactLimits(max_pass=1, trees=False, max_context=10 ** 6, pad_rows=2)
+    engine._exact_limits = ExactLimits(max_pass=1, trees=False, max_context=10**6, pad_rows=2)
     log: list[str] = []
     _watched(engine, log)
     forward, passes = engine.target.forward, []
@@ -362,6 +393,7 @@ def test_what_surrounds_a_generation_is_left_in_reverse_however_it_ends(mode, en
         if end == "error" and len(passes) == 3:
             raise RuntimeError("a pass failed")
         return forward(*a, **k)
+
     engine.target.forward = failing
     steps = engine.stream("abc", method="autoregressive", max_new_tokens=6, **kwargs).steps  # committed ids
     assert log == []  # nothing is taken before the first step
@@ -394,18 +426,18 @@ def test_the_loop_stops_at_the_backends_end_of_generation_tokens():
     engine = Engine(lm, tok)
     for method in ("autoregressive", "pld"):
         out = engine.generate("abc", method=method, max_new_tokens=30)
-        assert out.token_ids == full[:full.index(end) + 1] and out.stats.finish_reason == "eos"
+        assert out.token_ids == full[: full.index(end) + 1] and out.stats.finish_reason == "eos"
 
 
 def test_a_tree_of_fixed_width_and_depth_is_cut_to_a_bounded_pass():
     """A fixed width and depth grow up to width**2 nodes per depth (all verified when sampling): passes hold at
     most FIXED_TREE_NODES of them."""
     from specdecode.builders import FIXED_TREE_NODES
+
     tok = byte_tokenizer()
     engine = Engine(tiny_model(0), tok, tiny_model(1), tok)
     sizes, forward = [], engine.target.forward
     engine.target.forward = lambda ids, *a, **kw: sizes.append(len(ids)) or forward(ids, *a, **kw)
-    out = engine.generate("abc", method="tree", tree_width=16, tree_depth=8, temperature=1.0, seed=0,
-                          max_new_tokens=10)
+    out = engine.generate("abc", method="tree", tree_width=16, tree_depth=8, temperature=1.0, seed=0, max_new_tokens=10)
     assert out.stats.tree["nodes"] == FIXED_TREE_NODES and out.stats.new_tokens > 0
     assert max(sizes[1:]) <= FIXED_TREE_NODES + 1, max(sizes)  # the tree and its root (sizes[0]: the prompt)

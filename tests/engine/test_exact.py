@@ -3,6 +3,7 @@ bit-identical to plain decoding's, on llama.cpp's quantized kernels (tiny GGUFs 
 Q4_K_M, so the repacked and K-quant paths run) and on torch; our plain decoding equals llama-cpp-python's own
 greedy generation; and the negative controls: passes past the measured sizes, and trees without parked
 cells, do change bits, so the comparison can see what exact mode prevents."""
+
 from __future__ import annotations
 
 import ctypes
@@ -30,6 +31,7 @@ def ggufs(tmp_path_factory):
     pytest.importorskip("llama_cpp")
     from specdecode.backends.llamacpp.lm import _lib
     from tinygguf import write_tiny_gguf
+
     lc = _lib()
     d = tmp_path_factory.mktemp("exact")
     src = write_tiny_gguf(d / "tiny-F32.gguf", 0, hidden=256)
@@ -47,6 +49,7 @@ def engine_on(path: Path, exact: bool = True) -> Engine:
     """Target loaded for exact mode; the draft is the same file on a default context (high acceptance, so
     passes of every allowed size run)."""
     from specdecode.backends.llamacpp import LlamaLM
+
     tok = byte_tokenizer()
     return Engine(LlamaLM(path, threads=1, exact=exact), tok, LlamaLM(path, threads=1), tok, exact=exact)
 
@@ -74,7 +77,7 @@ def test_negative_control_passes_past_the_measured_size_change_bits(ggufs, monke
     limits = exactness.limits(engine.target)
     if limits.max_pass >= exactness.MAX_SIZE:
         pytest.skip(f"every pass up to {exactness.MAX_SIZE} tokens is exact on this machine: nothing to control")
-    monkeypatch.setattr(engine, "_exact_limits", exactness.ExactLimits(16, True, max_context=10 ** 6))
+    monkeypatch.setattr(engine, "_exact_limits", exactness.ExactLimits(16, True, max_context=10**6))
     differs = 0
     for prompt in PROMPTS:
         plain, rows = _recorded(engine, prompt, "autoregressive", NEW)
@@ -89,6 +92,7 @@ def test_parked_cells_keep_trees_exact_and_their_control(ggufs):
     decoding's only if that node's cell stays occupied (parked): without parking, later text fills the
     hole and attention sums the cells in another order."""
     from specdecode.backends.llamacpp import LlamaLM
+
     lm = LlamaLM(ggufs["Q4_K_M"], threads=1, exact=True)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (48,), generator=g).tolist()
@@ -112,6 +116,7 @@ def test_plain_decoding_equals_llama_cpp_pythons_own(ggufs):
     from llama_cpp import Llama
 
     from specdecode.backends.llamacpp import LlamaLM
+
     path = ggufs["Q4_K_M"]
     engine = Engine(LlamaLM(path, threads=1, exact=True), byte_tokenizer(), exact=True)
     peer = Llama(str(path), n_ctx=512, n_threads=1, n_threads_batch=1, n_batch=512, flash_attn=True, verbose=False)
@@ -131,6 +136,7 @@ def test_default_greedy_reads_the_prompt_as_llama_cpp_python_does(ggufs, qtype):
     from llama_cpp import Llama
 
     from specdecode.backends.llamacpp import LlamaLM
+
     lm = LlamaLM(ggufs[qtype], threads=1)
     engine = Engine(lm, byte_tokenizer())
     peer = Llama(str(ggufs[qtype]), n_ctx=512, n_threads=1, n_threads_batch=1, n_batch=512, verbose=False)
@@ -160,6 +166,7 @@ def test_torch_exact_mode_is_bit_identical():
 
 def test_exact_mode_errors(ggufs):
     from specdecode.backends.llamacpp import LlamaLM
+
     tok = byte_tokenizer()
     engine = Engine(LlamaLM(ggufs["Q4_0"], threads=1), tok)
     with pytest.raises(SpecDecodeError, match="exact mode needs a target loaded for it"):
@@ -175,6 +182,7 @@ def test_exact_mode_errors(ggufs):
 
 def test_limits_are_cached_per_model(ggufs, monkeypatch):
     from specdecode.backends.llamacpp import LlamaLM
+
     lm = LlamaLM(ggufs["Q8_0"], threads=1, exact=True)
     first = exactness.limits(lm)
     monkeypatch.setattr(exactness, "measure", lambda lm: pytest.fail("measured twice"))
@@ -205,10 +213,15 @@ def test_greedy_equals_transformers_generate(dtype, monkeypatch):
     target, draft = tiny_model(0).to(dtype), tiny_model(1).to(dtype)
     engine = Engine(target, tok, draft, tok, exact=True)
     for prompt in [*PROMPTS, "hello world, this is a longer prompt"]:  # the last two left plain decoding in
-        ids = engine.encode(prompt)                                    # bf16 when 3-token passes were measured
-        hf = target.generate(torch.tensor([ids]), max_new_tokens=80, do_sample=False, pad_token_id=256,  # exact
-                             eos_token_id=256)[0, len(ids):].tolist()                     # after 48 tokens only
-        hf = hf[:hf.index(256) + 1] if 256 in hf else hf
+        ids = engine.encode(prompt)  # bf16 when 3-token passes were measured
+        hf = target.generate(
+            torch.tensor([ids]),
+            max_new_tokens=80,
+            do_sample=False,
+            pad_token_id=256,  # exact
+            eos_token_id=256,
+        )[0, len(ids) :].tolist()  # after 48 tokens only
+        hf = hf[: hf.index(256) + 1] if 256 in hf else hf
         for m in ["autoregressive", *METHODS]:
             ours = engine.generate(prompt, method=m, max_new_tokens=80).token_ids
             assert ours == hf, (m, dtype)
@@ -220,6 +233,7 @@ def test_exact_passes_stop_at_the_context_they_were_measured_up_to(ggufs):
     exact mode decodes plainly: the output of a prompt past max_context equals plain decoding's, with no guess.
     The control: at that context the measured pass size does change bits. (Two threads: the split takes two.)"""
     from specdecode.backends.llamacpp import LlamaLM
+
     threads = 2
     lm = LlamaLM(ggufs["Q8_0"], threads=threads, exact=True)
     limits = exactness.limits(lm)
@@ -245,6 +259,7 @@ def test_a_padded_pass_keeps_only_the_real_tokens():
     """LM.pad_rows: a pass of fewer tokens runs as pad_rows rows, and what it leaves (cache entries, tree
     bookkeeping) and returns (one row per real token, or the last) is what an unpadded pass leaves and returns."""
     from specdecode.backends.torch_lm import CachedLM
+
     model = tiny_model(0)
     plain, pad = CachedLM(model), CachedLM(model)
     pad.pad_rows = 4
@@ -252,8 +267,12 @@ def test_a_padded_pass_keeps_only_the_real_tokens():
     for lm in (plain, pad):
         lm.forward(prompt, last_only=True)
     P = len(prompt)
-    steps = [([5], None, False), ([6, 7], None, False), ([8], None, True),  # chains, last_only
-             ([9, 10, 11], [P + 3, P + 4, P + 4], False)]  # a tree: root 9 (off the last entry) with two children
+    steps = [
+        ([5], None, False),
+        ([6, 7], None, False),
+        ([8], None, True),  # chains, last_only
+        ([9, 10, 11], [P + 3, P + 4, P + 4], False),
+    ]  # a tree: root 9 (off the last entry) with two children
     for ids, parents, last in steps:
         a, b = plain.forward(ids, last_only=last, parents=parents), pad.forward(ids, last_only=last, parents=parents)
         assert a.shape == b.shape == (1 if last else len(ids), 257)
@@ -272,7 +291,7 @@ class OneRowKernel(CachedLM):
 
     def _pass(self, new_ids, last_only, parents):
         out = super()._pass(new_ids, last_only, parents)
-        return out + 2.0 ** -6 if len(new_ids) == 1 else out
+        return out + 2.0**-6 if len(new_ids) == 1 else out
 
 
 def _padded_engine(monkeypatch, cost: float) -> Engine:
@@ -324,6 +343,7 @@ def test_a_context_made_anew_mid_generation_keeps_plain_decodings_bits(ggufs, mo
     decoding read it: the prompt in passes of n_batch, then one token a pass; the logits after it keep plain
     decoding's bits. Control ("batched"): the output read again in one pass, as the prompt is, changes them."""
     from specdecode.backends.llamacpp import lm as llamacpp
+
     monkeypatch.setattr(llamacpp, "FIRST_CTX", 64)  # a small first context, so that reserve makes a new one
     lm = llamacpp.LlamaLM(ggufs["Q4_K_M"], threads=1, exact=True)
     prompt = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -345,6 +365,7 @@ def test_a_generation_whose_context_is_made_anew_keeps_plain_decodings_bits(gguf
     """The context made anew mid-generation (as when parked cells use up its slack): the rest of the output still
     reads plain decoding's bits, every row."""
     from specdecode.backends.llamacpp import lm as llamacpp
+
     monkeypatch.setattr(llamacpp, "FIRST_CTX", 64)
     engine = engine_on(ggufs["Q4_K_M"])
     lm = engine.target
@@ -358,6 +379,7 @@ def test_a_generation_whose_context_is_made_anew_keeps_plain_decodings_bits(gguf
             before = lm._cells
             lm.reserve(lm._cells - llamacpp.MAX_SEQ + 1)  # more than it holds: a new context, the text read again
             made.append(lm._cells > before)
+
     monkeypatch.setattr(lm, "rollback", rollback)
     r = check_greedy(engine, prompt, method, NEW, plain.token_ids, rows)
     assert made == [True]

@@ -1,4 +1,5 @@
 """A draft with a truncated output layer (FR-Spec): same output, q zero outside the kept tokens."""
+
 import pytest
 import torch
 
@@ -13,8 +14,13 @@ TEXT = "def add(a, b):\n    return a + b\n\nhello world, hello there\n" * 4
 @pytest.fixture
 def engine(tmp_path, make_engine):
     tok = byte_tokenizer()
-    build_datastore([tok(TEXT, add_special_tokens=False)["input_ids"]], tmp_path / "ds", tokenizer_fingerprint(tok),
-                    vocab_size=len(tok.get_vocab()), progress=False)
+    build_datastore(
+        [tok(TEXT, add_special_tokens=False)["input_ids"]],
+        tmp_path / "ds",
+        tokenizer_fingerprint(tok),
+        vocab_size=len(tok.get_vocab()),
+        progress=False,
+    )
     return make_engine(tokenizer=tok, datastore=str(tmp_path / "ds"), costs=CHEAP, progress=False)
 
 
@@ -49,9 +55,12 @@ def test_draft_vocab_errors(tmp_path, tiny_dirs, make_engine):
     with pytest.raises(SpecDecodeError, match="needs token frequencies"):
         make_engine().truncate_draft_vocab(10)
     from tinygguf import write_tiny_gguf
+
     target, draft = tiny_dirs
-    for kw, msg in ((dict(draft_vocab=0, datastore=str(tmp_path)), "positive"),
-                    (dict(draft_vocab=10), "needs token frequencies")):
+    for kw, msg in (
+        (dict(draft_vocab=0, datastore=str(tmp_path)), "positive"),
+        (dict(draft_vocab=10), "needs token frequencies"),
+    ):
         with pytest.raises(SpecDecodeError, match=msg):
             Engine.load(str(target), str(draft), **kw)
     gguf = str(write_tiny_gguf(tmp_path / "d.gguf", 1))  # a GGUF draft runs on llama.cpp (backend auto)
@@ -78,6 +87,7 @@ def test_llama_draft_cannot_be_truncated():
 
 def test_datastore_frequencies(tmp_path):
     from specdecode.drafters import Datastore
+
     build_datastore([[1, 2, 2, 3, 3, 3], [3, 4]], tmp_path / "ds", "fp", vocab_size=6, progress=False)
     ds = Datastore(tmp_path / "ds", "fp")
     assert ds.frequencies().tolist() == [0, 1, 2, 4, 1, 0]

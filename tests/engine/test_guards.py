@@ -8,6 +8,7 @@
 5. a draft model with a shorter context than the target's drafts while it fits, then the target goes
    on plainly (no crash, no position past the draft's context).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -40,6 +41,7 @@ def engine_with(target, draft=None, costs=CHEAP, **kw) -> Engine:
 
 # ============================================================ 1. the cache must be the one we pass
 
+
 def test_installed_transformers_takes_cache_keyword():
     """pyproject's floor is the first release whose causal LMs take `cache=` (5.24: `past_key_values`
     before); the installed one must satisfy it."""
@@ -67,8 +69,11 @@ def test_model_that_ignores_the_cache_is_an_error():
     model = tiny_model(0)
     _ignore_cache(model)
     lm = CachedLM(model)
-    with pytest.raises(SpecDecodeError, match=r"did not use the KV cache.*grew by 0 entries for 3 tokens.*"
-                                              r"transformers>=5\.24"):
+    with pytest.raises(
+        SpecDecodeError,
+        match=r"did not use the KV cache.*grew by 0 entries for 3 tokens.*"
+        r"transformers>=5\.24",
+    ):
         lm.forward([1, 2, 3])
     assert len(lm) == 0  # nothing recorded as cached
     # through the engine: the prefill already fails, before any output
@@ -87,6 +92,7 @@ def test_the_cache_check_passes_on_every_kind_of_pass():
 
 
 # ============================================================ 2. tree masks need eager or sdpa
+
 
 def test_tree_pass_refused_under_flash_attention_before_the_model_runs():
     model = tiny_model(0)
@@ -160,6 +166,7 @@ def test_sliding_window_target_auto_drafts_chains_and_tree_is_refused_up_front()
 
 # ============================================================ 3. no state across generations
 
+
 @pytest.fixture
 def step_clock(monkeypatch):
     """The adaptive planner compares measured wall-clock rates of steps with and without the draft
@@ -169,9 +176,10 @@ def step_clock(monkeypatch):
     import types
 
     import specdecode.planning.tree as tree_mod
+
     ticks = itertools.count()
-    monkeypatch.setattr(tree_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))),
-                        raising=False)
+    monkeypatch.setattr(tree_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))), raising=False)
+
 
 def _trace(monkeypatch):
     """Every target pass's draft (tokens and parents), as the engine records it."""
@@ -188,8 +196,15 @@ def _trace(monkeypatch):
 
 def _shape(out):
     s = out.stats
-    return (out.token_ids, s.mean_tree_nodes, s.tree_depth, s.drafted, s.accepted, s.strategies,
-            round(s.expected_tokens, 9))
+    return (
+        out.token_ids,
+        s.mean_tree_nodes,
+        s.tree_depth,
+        s.drafted,
+        s.accepted,
+        s.strategies,
+        round(s.expected_tokens, 9),
+    )
 
 
 @pytest.mark.parametrize("method", ["tree", "auto"])
@@ -231,9 +246,8 @@ def _mid_pass_cut(ids, decode):
     for k in range(2 * (GAMMA + 1), len(ids) - GAMMA - 1):
         if (k - 1) % (GAMMA + 1) not in (1, 2):
             continue
-        stop = decode(ids[k - 2:k + 1])
-        if (len(stop) == 3 and stop.isprintable() and stop in decode(ids[:k + 1])
-                and stop not in decode(ids[:k])):
+        stop = decode(ids[k - 2 : k + 1])
+        if len(stop) == 3 and stop.isprintable() and stop in decode(ids[: k + 1]) and stop not in decode(ids[:k]):
             return stop, k
     raise AssertionError("no mid-pass stop string in this output")
 
@@ -259,7 +273,7 @@ def test_stop_string_in_the_middle_of_a_pass_cuts_the_stats():
 
     out = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=81, stop=stop)
     s = out.stats
-    assert s.finish_reason == "stop" and out.token_ids == full.token_ids[:k + 1]
+    assert s.finish_reason == "stop" and out.token_ids == full.token_ids[: k + 1]
     assert s.new_tokens == k + 1 and s.target_forwards == (k - 1) // (GAMMA + 1) + 2
     accepted, per_position = _expected_accepted(k + 1, s.target_forwards)
     assert s.accepted == accepted < s.drafted == GAMMA * (s.target_forwards - 1)
@@ -274,12 +288,15 @@ def test_eos_in_the_middle_of_a_pass_cuts_the_stats():
     engine = _self_drafting_engine()
     full = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=80)
     ids = full.token_ids
-    k = next(k for k in range(GAMMA + 1, len(ids) - GAMMA - 1)
-             if (k - 1) % (GAMMA + 1) in (1, 2, 3) and ids[k] not in ids[:k])
+    k = next(
+        k
+        for k in range(GAMMA + 1, len(ids) - GAMMA - 1)
+        if (k - 1) % (GAMMA + 1) in (1, 2, 3) and ids[k] not in ids[:k]
+    )
     engine.eos_ids = {ids[k]}
     out = engine.generate("def f(x):", method="draft", gamma=GAMMA, max_new_tokens=80)
     s = out.stats
-    assert s.finish_reason == "eos" and out.token_ids == ids[:k + 1] and s.new_tokens == k + 1
+    assert s.finish_reason == "eos" and out.token_ids == ids[: k + 1] and s.new_tokens == k + 1
     accepted, per_position = _expected_accepted(k + 1, s.target_forwards)
     assert s.accepted == accepted and s.accepted_per_position == per_position
 
@@ -288,6 +305,7 @@ def test_stop_cut_across_passes_and_a_tree():
     """Stats.truncate on its own: a cut that drops whole passes, and tree passes (accepted by depth)."""
     stats = Stats()
     from specdecode.drafters import Draft
+
     tree = Draft([1, 2, 3, 4], None, parents=[-1, -1, 0, 2])  # depth 3
     stats.record(tree, 3, 4)  # emits 4: depth 1, 2, 3 accepted + bonus
     stats.record(Draft([5, 6], None), 2, 3)
@@ -299,6 +317,7 @@ def test_stop_cut_across_passes_and_a_tree():
 
 
 # ============================================================ 5. a draft with a shorter context
+
 
 def _positions_watch(lm: CachedLM):
     """Fail at once if the draft model is ever fed a position outside its context."""
@@ -319,14 +338,18 @@ def _positions_watch(lm: CachedLM):
 def _gpt2_draft(n_positions: int) -> GPT2LMHeadModel:
     """Learned absolute positions: past n_positions an index error (the obscure crash)."""
     torch.manual_seed(1)
-    config = GPT2Config(vocab_size=V, n_positions=n_positions, n_embd=64, n_layer=2, n_head=4,
-                        bos_token_id=256, eos_token_id=256)
+    config = GPT2Config(
+        vocab_size=V, n_positions=n_positions, n_embd=64, n_layer=2, n_head=4, bos_token_id=256, eos_token_id=256
+    )
     return GPT2LMHeadModel(config).float().eval()
 
 
 @pytest.mark.parametrize("draft_kind", ["qwen2", "gpt2"])
-@pytest.mark.parametrize("method,kw", [("draft", dict(gamma=4)), ("tree", dict(tree_width=2, tree_depth=4)),
-                                       ("auto", {})], ids=["draft", "tree", "auto"])
+@pytest.mark.parametrize(
+    "method,kw",
+    [("draft", dict(gamma=4)), ("tree", dict(tree_width=2, tree_depth=4)), ("auto", {})],
+    ids=["draft", "tree", "auto"],
+)
 def test_short_draft_context_drafts_then_goes_on_plainly(step_clock, draft_kind, method, kw):
     limit = 48
     # the qwen2 draft is the target's own weights (it agrees, so even auto keeps running it to the end of

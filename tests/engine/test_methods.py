@@ -1,5 +1,6 @@
 """The method table (specdecode.methods): one entry per method says what it needs and builds its drafter;
 the Engine, CLI, server and bench read it."""
+
 import argparse
 import dataclasses
 
@@ -51,6 +52,7 @@ def _choices(parser, command, option):
 
 def test_cli_choices_and_help_come_from_the_table():
     from specdecode.cli import build_parser
+
     parser = build_parser()
     for command in ("generate", "serve"):
         action = _choices(parser, command, "--method")
@@ -63,6 +65,7 @@ def test_cli_choices_and_help_come_from_the_table():
 def test_server_openapi_method_enum_comes_from_the_table(tiny_engine):
     pytest.importorskip("fastapi")
     from specdecode.server import create_app
+
     app = create_app(tiny_engine, model_id="tiny", method="pld", gamma=2)
     try:
         doc = app.openapi()
@@ -74,7 +77,7 @@ def test_server_openapi_method_enum_comes_from_the_table(tiny_engine):
 
 
 def test_bench_methods_come_from_the_table(tiny_engine):
-    assert bench.BENCH_METHODS[:len(METHODS)] == tuple(METHOD_TABLE)
+    assert bench.BENCH_METHODS[: len(METHODS)] == tuple(METHOD_TABLE)
     assert bench.default_methods(tiny_engine) == ["autoregressive", "auto", "pld", "draft", "hf-assisted"]
     no_draft = Engine(tiny_engine.target, tiny_engine.tokenizer)
     assert bench.default_methods(no_draft) == ["autoregressive", "auto", "pld"]
@@ -87,8 +90,13 @@ def test_bench_methods_come_from_the_table(tiny_engine):
     assert bench.parse_methods("pld") == ["autoregressive", "pld"]
 
 
-FAKE = Method("fake", "a test's method: prompt lookup under another name", uses_gamma=True, chain=True,
-              build=lambda parts, request: PromptLookup())
+FAKE = Method(
+    "fake",
+    "a test's method: prompt lookup under another name",
+    uses_gamma=True,
+    chain=True,
+    build=lambda parts, request: PromptLookup(),
+)
 
 
 def test_a_method_added_to_the_table_is_accepted_and_builds_its_drafter(monkeypatch, make_engine):

@@ -3,6 +3,7 @@
 
 Greedy output never depends on the prediction (it is a source of guesses the target verifies); the sampled
 law with a prediction drafting is checked in test_lossless_engine (the auto-prediction case and its controls)."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,11 @@ def test_alignment_follows_an_exact_copy():
 @pytest.mark.parametrize("edit", ["insert", "delete", "change"])
 def test_alignment_resumes_after_an_edit(edit):
     ref = list(range(200))
-    out = ref[:50] + {"insert": [900, 901, 902], "delete": [], "change": [900, 901]}[edit] + ref[
-        {"insert": 50, "delete": 60, "change": 52}[edit]:80]
+    out = (
+        ref[:50]
+        + {"insert": [900, 901, 902], "delete": [], "change": [900, 901]}[edit]
+        + ref[{"insert": 50, "delete": 60, "change": 52}[edit] : 80]
+    )
     a = follow(ref, out)
     assert a.breaks == 1 and a.pos == 80  # realigned: the copy goes on right after the edited span
     g = a.guess(out, 5)
@@ -260,10 +264,13 @@ def test_exact_limits_cap_the_copy_chain(target, plain_out):
 
 def test_sampled_tokens_with_a_prediction_are_reproducible(target, plain_out):
     from specdecode import SamplingParams
+
     prompt, out = plain_out
     params = SamplingParams(temperature=0.7)
-    runs = [run(CachedLM(target), (d := drafter(prompt, out, FLAT)), prompt, d.depth_cap, 60, params=params,
-                seed=3)[0] for _ in range(2)]
+    runs = [
+        run(CachedLM(target), (d := drafter(prompt, out, FLAT)), prompt, d.depth_cap, 60, params=params, seed=3)[0]
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1] and len(runs[0]) == 60
 
 
@@ -302,9 +309,23 @@ def test_cli_generate_with_a_prediction_file_and_stdin(tiny_dirs, tmp_path, caps
     import io
 
     from specdecode.cli import main
+
     target, draft = tiny_dirs
-    base = ["generate", PROMPT, "--target", str(target), "--draft", str(draft), "--backend", "torch", "--method",
-            "lookup", "--max-new-tokens", "24", "--json"]
+    base = [
+        "generate",
+        PROMPT,
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--backend",
+        "torch",
+        "--method",
+        "lookup",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
     pred = tmp_path / "pred.txt"
@@ -322,6 +343,7 @@ def test_cli_generate_with_a_prediction_file_and_stdin(tiny_dirs, tmp_path, caps
 
 def test_bench_reads_a_prediction_per_prompt(tmp_path):
     from specdecode.launch.prompts import load_prompts
+
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a", "prediction": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
     rows = load_prompts(path)
@@ -335,6 +357,7 @@ def test_bench_reads_a_prediction_per_prompt(tmp_path):
 @pytest.fixture(scope="module")
 def live(engine):
     from specdecode.server import create_app
+
     srv = LiveServer(create_app(engine, model_id="tiny", method="auto"))
     yield srv
     srv.stop()
@@ -354,15 +377,17 @@ def test_openai_client_sends_a_prediction_and_reads_the_usage(client):
     d = plain.usage.completion_tokens_details
     assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (0, 0)
 
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, temperature=0,
-                                         prediction={"type": "content", "content": text})
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=60, temperature=0, prediction={"type": "content", "content": text}
+    )
     assert out.choices[0].message.content == text
     d = out.usage.completion_tokens_details
     # the prediction is the answer (one token a character): every token of it appears, none is rejected
     assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (len(text), 0)
     wrong = text[:10] + "QQQQ" + text[10:]  # four tokens the answer does not have, then the answer's own
-    again = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, temperature=0,
-                                           prediction={"type": "content", "content": wrong})
+    again = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=60, temperature=0, prediction={"type": "content", "content": wrong}
+    )
     d = again.usage.completion_tokens_details
     assert again.choices[0].message.content == text
     assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (len(text), 4)
@@ -371,32 +396,56 @@ def test_openai_client_sends_a_prediction_and_reads_the_usage(client):
 
     # text parts, streamed, with the usage chunk
     half = len(text) // 2
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=60, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-        prediction={"type": "content", "content": [{"type": "text", "text": text[:half]},
-                                                   {"type": "text", "text": text[half:]}]}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            prediction={
+                "type": "content",
+                "content": [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}],
+            },
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     last = chunks[-1]
-    assert last.choices == [] and last.usage.completion_tokens_details.accepted_prediction_tokens == \
-        d.accepted_prediction_tokens
+    assert (
+        last.choices == []
+        and last.usage.completion_tokens_details.accepted_prediction_tokens == d.accepted_prediction_tokens
+    )
 
 
 def test_completions_take_a_prediction_too(live):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40}
     plain = http.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
-    out = http.post(f"{live.url}/v1/completions", timeout=60,
-                     json={**body, "prediction": {"type": "content", "content": plain["choices"][0]["text"]}}).json()
+    out = http.post(
+        f"{live.url}/v1/completions",
+        timeout=60,
+        json={**body, "prediction": {"type": "content", "content": plain["choices"][0]["text"]}},
+    ).json()
     assert out["choices"][0]["text"] == plain["choices"][0]["text"]
     assert out["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
 
 
-@pytest.mark.parametrize("prediction", [
-    {"type": "text", "content": "x"}, {"type": "content"}, {"type": "content", "content": 3},
-    {"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}, "just a string",
-    {"type": "content", "content": "x", "extra": 1}])
+@pytest.mark.parametrize(
+    "prediction",
+    [
+        {"type": "text", "content": "x"},
+        {"type": "content"},
+        {"type": "content", "content": 3},
+        {"type": "content", "content": [{"type": "image_url", "image_url": "x"}]},
+        "just a string",
+        {"type": "content", "content": "x", "extra": 1},
+    ],
+)
 def test_a_bad_prediction_is_a_400(live, prediction):
-    r = http.post(f"{live.url}/v1/chat/completions", timeout=60,
-                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "prediction": prediction})
+    r = http.post(
+        f"{live.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "prediction": prediction},
+    )
     assert r.status_code == 400, r.text
     assert "prediction" in json.dumps(r.json()["error"])

@@ -1,6 +1,7 @@
 """The prompt cache (Engine(prompt_cache=True), prefill.py, LM.keep_prefix): a prompt that starts as the last one did
 reads only what is new, with the output of a fresh read; only within one scope (an API key), never in exact mode, and
 never after a generation that failed."""
+
 import contextlib
 import threading
 import time
@@ -24,6 +25,7 @@ def engines(request, tmp_path_factory):
     pytest.importorskip("llama_cpp")
     from specdecode.backends.llamacpp import LlamaLM
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path_factory.mktemp("prompt_cache") / "tiny.gguf", 0, hidden=128)
     return Engine(LlamaLM(gguf, threads=1), tok, prompt_cache=True), Engine(LlamaLM(gguf, threads=1), tok)
 
@@ -80,6 +82,7 @@ def test_a_generation_that_fails_leaves_nothing_to_reuse(engines, monkeypatch, e
         if calls[0] == 3:  # a pass inside the steps, after the prompt was read
             raise error("injected failure")
         return real(*a, **k)
+
     monkeypatch.setattr(cached.target, "forward", flaky)
     with pytest.raises(error, match="injected"):
         cached.generate(FIRST + " x", method="autoregressive", max_new_tokens=8, cache_scope="k")
@@ -94,15 +97,22 @@ def test_the_server_reuses_a_prompt_for_the_same_api_key_only(make_engine):
     key reads its prompt whole, so that its latency tells nothing of another client's text."""
     from helpers import LiveServer, http
     from specdecode.server import create_app
+
     tok = byte_tokenizer()
     engine = make_engine(draft=None, tokenizer=tok, prompt_cache=True)
     srv = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1))
     try:
+
         def cached(key: str) -> int:
-            r = http.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                           json={"model": "tiny", "prompt": FIRST, "max_tokens": 4}, timeout=60)
+            r = http.post(
+                f"{srv.url}/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": "tiny", "prompt": FIRST, "max_tokens": 4},
+                timeout=60,
+            )
             assert r.status_code == 200
             return r.json()["speculation"]["cached_prompt_tokens"]
+
         assert cached("alice") == 0
         assert cached("alice") == len(tok.encode(FIRST)) - 1
         assert cached("bob") == 0  # another key: its prompt read whole
@@ -121,6 +131,7 @@ def slot_server(tmp_path, n: int, adjust=None):
     from specdecode.server import create_app
     from specdecode.slots import Slots
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
     engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
     engine.progress = False
@@ -130,10 +141,12 @@ def slot_server(tmp_path, n: int, adjust=None):
     live = LiveServer(create_app(engine, model_id="tiny", method="autoregressive", gamma=1, slots=slots))
 
     def ask(prompt: str, max_tokens: int = 4) -> dict:
-        r = http.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens},
-                       timeout=60)
+        r = http.post(
+            f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}, timeout=60
+        )
         assert r.status_code == 200
         return r.json()
+
     try:
         yield ask
     finally:
@@ -166,6 +179,7 @@ def test_conversations_arriving_at_once_go_back_to_their_slots(tmp_path):
                 out = ask(talks[k] + f" turn {turn}", 2)
                 cached[k] = out["speculation"]["cached_prompt_tokens"]
                 talks[k] += f" turn {turn}" + out["choices"][0]["text"]
+
             threads = [threading.Thread(target=send, args=(k,)) for k in range(3)]
             for t in threads:
                 t.start()
@@ -178,6 +192,7 @@ def test_a_next_turn_sent_at_once_finds_the_slot_that_just_answered(tmp_path, mo
     """serve --parallel 2: a client that sends its next turn the moment the last answer ended finds that slot idle
     to the slot choice, though its worker is still closing the generation (here held 0.5 s): the turn reads only
     what is new, instead of going to the other idle slot and reading the whole conversation again."""
+
     def slow_to_close(slots):
         real = slots.generation
 
@@ -186,7 +201,9 @@ def test_a_next_turn_sent_at_once_finds_the_slot_that_just_answered(tmp_path, mo
             with real():
                 yield
             time.sleep(0.5)  # the worker is busy after its generation ended
+
         monkeypatch.setattr(slots, "generation", generation)
+
     with slot_server(tmp_path, 2, slow_to_close) as ask:
         talk = "a conversation: " + "xyz " * 20
         for turn in range(3):
@@ -199,6 +216,7 @@ def test_a_next_turn_sent_at_once_finds_the_slot_that_just_answered(tmp_path, mo
 def test_load_and_serve_set_the_prompt_cache(tiny_dirs, monkeypatch):
     """Engine.load(prompt_cache=...) (what `serve` and `serve --ray` load with: on unless --no-prompt-cache)."""
     from specdecode.cli import build_parser
+
     target, _ = tiny_dirs
     assert Engine.load(str(target), with_draft=False, progress=False, prompt_cache=True).prompt_cache
     assert not Engine.load(str(target), with_draft=False, progress=False).prompt_cache
@@ -216,6 +234,7 @@ def test_a_slot_copies_the_start_another_slot_holds(tmp_path):
     from specdecode.backends.llamacpp import LlamaLM
     from specdecode.slots import Slots
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
     engine = Engine(LlamaLM(gguf, threads=1), byte_tokenizer(), prompt_cache=True)
     engine.progress = False
@@ -232,6 +251,7 @@ def test_a_slot_copies_the_start_another_slot_holds(tmp_path):
     def common(a: str, b: str) -> int:
         x, y = engine.encode(a), engine.encode(b)
         return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)) - 1)
+
     assert ask(e0, system + "first question") == 0
     assert ask(e1, system + "second question", "other") == 0  # another scope's text is not copied
     assert ask(e1, system + "second question") == common(system + "first question", system + "second question")

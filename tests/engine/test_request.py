@@ -1,5 +1,6 @@
 """The typed request (request.py): Engine.stream's keywords are its fields, Engine.open runs it as stream() does,
 and an Encoded request opens on another engine without tokenizing again."""
+
 import dataclasses
 import inspect
 
@@ -35,8 +36,9 @@ def test_open_runs_the_request_as_stream_does(tiny_engine, method):
 
 
 def test_an_encoded_request_opens_on_another_engine_without_tokenizing(tiny_engine, make_engine, monkeypatch):
-    encoded = tiny_engine.encode_request(Request("Rename add to plus:\n" + OLD, method="pld", max_new_tokens=8,
-                                                 prediction=OLD))
+    encoded = tiny_engine.encode_request(
+        Request("Rename add to plus:\n" + OLD, method="pld", max_new_tokens=8, prediction=OLD)
+    )
     assert isinstance(encoded, Encoded) and encoded.prediction_ids == tuple(tiny_engine.encode_prediction(OLD))
     other = make_engine()
     for name in ("encode", "encode_prediction"):

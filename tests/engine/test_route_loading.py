@@ -1,5 +1,6 @@
 """What `--route` loads and measures: no torch engine in exact mode, and the bf16 probe cached per machine and
 model, with a way to time it again."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 def test_route_in_exact_mode_loads_llama_cpp_alone(tmp_path, monkeypatch):
     """Exact mode keeps every request on llama.cpp (Router.open), so the torch copy would never run: not loaded."""
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
     monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")  # torch would join on any machine
     loads = []

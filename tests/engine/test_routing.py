@@ -1,5 +1,6 @@
 """The engine that suits the request (routing.py): which engine a request runs on, that it runs whole there, and
 `--route` end to end on a tiny GGUF (llama.cpp and torch bf16 from the same file)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,13 +47,14 @@ def test_pld_is_priced_at_the_depth_it_drafts(router):
     """pld drafts gamma guesses a pass whatever they cost: a copy is priced at chains of gamma + 1 tokens, not at the
     deepest chain the costs would pay for. Gamma 4 costs the flat engine nearly a plain step for 4.5 tokens, so the
     steep one ends first; gamma 16 rides the flat engine's cheap wide passes. auto chooses its depth: the flat one."""
-    assert tokens_per_second(FLAT, 128, 0.95, gamma=4) == pytest.approx((1 - 0.95 ** 5) / 0.05 / FLAT.t(5))
+    assert tokens_per_second(FLAT, 128, 0.95, gamma=4) == pytest.approx((1 - 0.95**5) / 0.05 / FLAT.t(5))
     assert tokens_per_second(FLAT, 128, 0.95, gamma=4) < tokens_per_second(FLAT, 128, 0.95)
     old = "".join(f"def f{i}(a, b):\n    return a + {i}\n" for i in range(12))  # 376 tokens, one a character
     prompt = "Rename:\n" + old
 
     def engine(method, **kw):
         return router.generate(prompt, method=method, max_new_tokens=4, prediction=old, **kw).stats.engine
+
     assert (engine("pld", gamma=4), engine("pld", gamma=16), engine("auto")) == ("steep", "flat", "flat")
 
 
@@ -94,8 +96,16 @@ def test_exact_mode_and_draft_model_methods_stay_on_the_first_engine(router, mon
     assert router.generate(old, method="draft", max_new_tokens=10, prediction=old).stats.engine == "steep"
     calls = []
     steep = router.engines["steep"]
-    monkeypatch.setattr(steep, "open", lambda encoded: calls.append(encoded.request.exact) or Engine.open(
-        steep, dataclasses.replace(encoded, request=dataclasses.replace(encoded.request, exact=None))))
+    monkeypatch.setattr(
+        steep,
+        "open",
+        lambda encoded: (
+            calls.append(encoded.request.exact)
+            or Engine.open(
+                steep, dataclasses.replace(encoded, request=dataclasses.replace(encoded.request, exact=None))
+            )
+        ),
+    )
     router.stream(old, max_new_tokens=5, prediction=old, exact=True)
     assert calls == [True]  # pinned, and asked for exact mode
 
@@ -114,6 +124,7 @@ def test_flat_ratio_is_the_best_timed_ratio_of_a_wide_product_to_a_narrow_one(mo
     import torch
 
     from specdecode import routing
+
     clock, calls = [0.0], []
 
     def timed(a, b):
@@ -121,7 +132,9 @@ def test_flat_ratio_is_the_best_timed_ratio_of_a_wide_product_to_a_narrow_one(mo
             calls.append(x.shape[0])
             clock[0] += a + b * x.shape[0] + (5.0 if len(calls) == 3 else 0.0)  # the first timed repeat: a spike
             return x
+
         return matmul
+
     monkeypatch.setattr(routing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(torch.Tensor, "__matmul__", timed(1.0, 0.5))
     assert flat_ratio(rows=16, d=8, ff=8, repeats=3) == pytest.approx((1.0 + 16 * 0.5) / (1.0 + 0.5))
@@ -132,6 +145,7 @@ def test_flat_ratio_is_the_best_timed_ratio_of_a_wide_product_to_a_narrow_one(mo
 
 def test_route_end_to_end_on_a_tiny_gguf(tmp_path, monkeypatch):
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
     monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")  # this machine's bf16 ratio must not decide a test
     both = Router.load(str(gguf), None, progress=False, with_draft=False)
@@ -152,6 +166,7 @@ def test_a_llama_cpp_generation_beside_a_torch_model_reads_logits_on_one_torch_t
     import torch
 
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
     monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")
     both = Router.load(str(gguf), None, progress=False, with_draft=False, threads=2)
@@ -163,6 +178,7 @@ def test_a_llama_cpp_generation_beside_a_torch_model_reads_logits_on_one_torch_t
         def spy(*args, _name=name, _forward=forward, **kwargs):  # the thread count inside each target pass
             seen.setdefault(_name, set()).add(torch.get_num_threads())
             return _forward(*args, **kwargs)
+
         monkeypatch.setattr(engine.target, "forward", spy)
         engine.generate("hello hello hello", method="autoregressive", max_new_tokens=4)
         assert torch.get_num_threads() == 2  # given back after the generation
@@ -178,6 +194,7 @@ def test_a_routed_generation_runs_on_the_compute_thread(tmp_path, monkeypatch):
 
     from specdecode.backends import compute
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path / "t.gguf", 0)
     monkeypatch.setenv("SPECDECODE_ROUTE_FORCE", "1")
     both = Router.load(str(gguf), None, progress=False, with_draft=False)
@@ -188,6 +205,7 @@ def test_a_routed_generation_runs_on_the_compute_thread(tmp_path, monkeypatch):
         def spy(*args, _name=name, _forward=forward, **kwargs):  # the thread each target pass is asked from
             seen.setdefault(_name, set()).add(threading.get_ident())
             return _forward(*args, **kwargs)
+
         monkeypatch.setattr(engine.target, "forward", spy)
     worker = compute.call(threading.get_ident)
     for name in both.engines:
@@ -208,6 +226,7 @@ def test_a_routed_generation_runs_on_the_compute_thread(tmp_path, monkeypatch):
 
 def test_route_refuses_batching():
     from specdecode.slots import Slots
+
     r = Router.__new__(Router)
     r.engines, r.primary = {"a": None}, None
     with pytest.raises(SpecDecodeError, match="--route"):
@@ -218,6 +237,7 @@ def test_the_prompt_read_price_is_the_best_of_several_reads(tmp_path, monkeypatc
     """One read beside other work (a test run, a build) must not become the price every later request is routed
     by: the best of READ_REPEATS reads is cached; negative control: with one read, the slow one is what is kept."""
     from specdecode import routing
+
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     e = engine(STEEP)
     clock, reads = [0.0], []
@@ -227,6 +247,7 @@ def test_the_prompt_read_price_is_the_best_of_several_reads(tmp_path, monkeypatc
         clock[0] += 10.0 if not reads else 1.0
         reads.append(len(ids))
         return real_forward(ids, **kw)
+
     monkeypatch.setattr(e.target, "forward", forward)
     monkeypatch.setattr(routing.time, "perf_counter", lambda: clock[0])
     assert routing.read_seconds(e, tokens=50) == pytest.approx(1.0 / 50)
@@ -262,9 +283,11 @@ def test_a_request_can_pin_an_engine(router):
     assert pinned.token_ids == router.engines["flat"].generate("hi", max_new_tokens=12).token_ids
     assert pinned.token_ids != router.engines["steep"].generate("hi", max_new_tokens=12).token_ids
     assert router.generate("hi", max_new_tokens=4, engine="steep", method="draft").stats.engine == "steep"
-    for kwargs, message in [({"engine": "gpu"}, "engine 'gpu' is not loaded here; the engines are 'steep' and 'flat'"),
-                            ({"engine": "flat", "method": "draft"}, "engine 'flat' cannot run method 'draft'"),
-                            ({"engine": "flat", "exact": True}, "engine 'flat' cannot run exact mode")]:
+    for kwargs, message in [
+        ({"engine": "gpu"}, "engine 'gpu' is not loaded here; the engines are 'steep' and 'flat'"),
+        ({"engine": "flat", "method": "draft"}, "engine 'flat' cannot run method 'draft'"),
+        ({"engine": "flat", "exact": True}, "engine 'flat' cannot run exact mode"),
+    ]:
         with pytest.raises(InvalidField, match="^" + message) as e:
             router.stream("hi", **kwargs)
         assert e.value.param == "engine"  # the server names it speculation.engine
@@ -272,6 +295,7 @@ def test_a_request_can_pin_an_engine(router):
 
 def test_the_table_says_which_methods_the_router_moves(router, monkeypatch):
     from specdecode.methods import METHOD_TABLE
+
     old = "def add(a, b):\n    return a + b\n" * 3
     prompt = "Rename add to plus:\n" + old * 3
     assert router.generate(prompt, method="pld", max_new_tokens=8, prediction=old).stats.engine == "flat"

@@ -5,6 +5,7 @@ tree) is unchanged; both KV caches stay compact through the loop; stats count th
 model and calibration behave; the adaptive planner backs off or grows as its costs say; sampled
 trees keep the target's distribution (chi-square, with a wrong verifier as negative control).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,7 @@ def plain(models):
         if tuple(prompt) not in memo:
             memo[tuple(prompt)] = run(CachedLM(models[0]), None, prompt, 0, 250)[0]
         return memo[tuple(prompt)][:n]
+
     return get
 
 
@@ -77,9 +79,12 @@ def passes_without_draft(stats):
 # (width, depth, nodes); None = the default cap (nodes: unbounded when width and depth are given)
 FIXED_SHAPES = [
     (1, 5, None),  # a chain (more chains: the draft = target and the chain-method tests)
-    (4, 1, None), (4, 2, None),  # wide and shallow
-    (2, 6, None), (1, 8, 3),  # narrow and deep; a deep chain cut to 3 nodes
-    (3, 4, 5), (4, 3, 2),  # node budgets far below width * depth
+    (4, 1, None),
+    (4, 2, None),  # wide and shallow
+    (2, 6, None),
+    (1, 8, 3),  # narrow and deep; a deep chain cut to 3 nodes
+    (3, 4, 5),
+    (4, 3, 2),  # node budgets far below width * depth
 ]
 
 
@@ -131,8 +136,11 @@ def test_greedy_draft_equals_target_accepts_the_top1_chain(models, plain):
     assert stats.mean_accepted_tokens > 2.5
 
 
-@pytest.mark.parametrize("kw", [dict(width=1, depth=5), dict(width=1, depth=8, nodes=4), dict(costs=CHEAP)],
-                         ids=["chain5", "chain8-n4", "cheap"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(width=1, depth=5), dict(width=1, depth=8, nodes=4), dict(costs=CHEAP)],
+    ids=["chain5", "chain8-n4", "cheap"],
+)
 def test_greedy_pld_only_tree_equals_plain(models, plain, kw):
     target_model, _ = models
     for prompt in PROMPTS[1:]:
@@ -157,13 +165,16 @@ def test_max_new_tokens_inside_a_tree(models, plain, n):
 def test_tree_stops_at_the_context_limit():
     small = tiny_model(0, max_pos=40)
     want, _ = run(CachedLM(small), None, PROMPTS[1], 0, 100)
-    for drafter in (TreeDrafter(DraftModel(small, V), width=3, depth=8),
-                    TreeDrafter(DraftModel(tiny_model(1), V), costs=CHEAP)):
+    for drafter in (
+        TreeDrafter(DraftModel(small, V), width=3, depth=8),
+        TreeDrafter(DraftModel(tiny_model(1), V), costs=CHEAP),
+    ):
         out, stats = run_tree(small, drafter, PROMPTS[1], 100)
         assert out == want and len(out) == 10 and stats.finish_reason == "length"
 
 
 # ============================================================= 2. the chain method is unchanged
+
 
 @pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5, 6])
 def test_chain_draft_method_equals_plain(models, plain, gamma):
@@ -199,6 +210,7 @@ def test_sampled_tree_is_reproducible(models):
 
 # ============================================================= 3. KV compaction through the loop
 
+
 @pytest.mark.parametrize("kw", [dict(costs=CHEAP), dict(width=3, depth=4, nodes=7)], ids=["adaptive", "fixed"])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
 def test_caches_hold_exactly_the_committed_text(models, plain, kw, params):
@@ -208,34 +220,47 @@ def test_caches_hold_exactly_the_committed_text(models, plain, kw, params):
     dlm = drafter.model.lm
     committed = list(PROMPTS[2])
     stats = Stats()
-    for step, new in enumerate(speculative_decode(target, drafter, committed[:], gamma=drafter.max_depth, params=params,
-                                                  max_new_tokens=90, eos_ids=set(),
-                                                  generator=torch.Generator().manual_seed(1), stats=stats)):
+    for step, new in enumerate(
+        speculative_decode(
+            target,
+            drafter,
+            committed[:],
+            gamma=drafter.max_depth,
+            params=params,
+            max_new_tokens=90,
+            eos_ids=set(),
+            generator=torch.Generator().manual_seed(1),
+            stats=stats,
+        )
+    ):
         committed += new
         # target: every committed token but the last, as a plain trunk (no stale tree entries)
         assert target.ids == committed[:-1]
         assert target.trunk == len(target.ids) and target.parent == [] and target.pos == []
         # draft: a prefix of the committed text, also a plain trunk
-        assert dlm.ids == committed[:len(dlm.ids)]
+        assert dlm.ids == committed[: len(dlm.ids)]
         assert dlm.trunk == len(dlm.ids) and dlm.parent == [] and dlm.pos == []
         if step % 4 == 0:  # the caches behave like fresh prefills of the committed text
             got = target.forward([committed[-1]])[-1]
             target.rollback(len(committed) - 1)
-            torch.testing.assert_close(got, CachedLM(target_model).forward(committed, last_only=True)[-1],
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                got, CachedLM(target_model).forward(committed, last_only=True)[-1], rtol=1e-4, atol=1e-4
+            )
             assert target.ids == committed[:-1] and target.trunk == len(target.ids)
             n = len(dlm)
             got = dlm.forward(committed[n:])[-1]
             dlm.rollback(n)
-            torch.testing.assert_close(got, CachedLM(draft_model).forward(committed, last_only=True)[-1],
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                got, CachedLM(draft_model).forward(committed, last_only=True)[-1], rtol=1e-4, atol=1e-4
+            )
             assert dlm.ids == committed[:n] and dlm.trunk == n
     assert len(committed) == len(PROMPTS[2]) + 90 and stats.drafted > 0 and stats.accepted > 0
     if params.greedy:
-        assert committed[len(PROMPTS[2]):] == plain(PROMPTS[2], 90)
+        assert committed[len(PROMPTS[2]) :] == plain(PROMPTS[2], 90)
 
 
 # ============================================================= 4. stats
+
 
 def test_stats_of_a_fixed_shape(models, plain):
     target_model, draft_model = models
@@ -264,11 +289,13 @@ def test_eos_inside_an_accepted_branch_stops_there(models, plain):
     target_model, draft_model = models
     full = plain(PROMPTS[0], 100)
     eos = full[37]
-    cut = full[:full.index(eos) + 1]
-    cases = [(TreeDrafter(DraftModel(target_model, V), width=2, depth=6, pld=False), True),
-             (TreeDrafter(DraftModel(target_model, V), costs=CHEAP), False),
-             (TreeDrafter(DraftModel(draft_model, V), width=3, depth=4, nodes=8), False),
-             (TreeDrafter(None, width=1, depth=6), False)]
+    cut = full[: full.index(eos) + 1]
+    cases = [
+        (TreeDrafter(DraftModel(target_model, V), width=2, depth=6, pld=False), True),
+        (TreeDrafter(DraftModel(target_model, V), costs=CHEAP), False),
+        (TreeDrafter(DraftModel(draft_model, V), width=3, depth=4, nodes=8), False),
+        (TreeDrafter(None, width=1, depth=6), False),
+    ]
     for drafter, all_accepted in cases:
         out, stats = run_tree(target_model, drafter, PROMPTS[0], 100, eos={eos})
         assert out == cut
@@ -282,14 +309,23 @@ def test_sampled_tree_respects_the_node_budget(models):
     for kw in (dict(width=2, depth=3, nodes=5), dict(nodes=5, costs=CHEAP)):
         drafter = TreeDrafter(DraftModel(draft_model, V), **kw)
         stats, before, most = Stats(), 0, 0
-        for _ in speculative_decode(CachedLM(target_model), drafter, PROMPTS[0], gamma=drafter.max_depth,
-                                    params=SamplingParams(temperature=1.0), max_new_tokens=40, eos_ids=set(),
-                                    generator=torch.Generator().manual_seed(0), stats=stats):
+        for _ in speculative_decode(
+            CachedLM(target_model),
+            drafter,
+            PROMPTS[0],
+            gamma=drafter.max_depth,
+            params=SamplingParams(temperature=1.0),
+            max_new_tokens=40,
+            eos_ids=set(),
+            generator=torch.Generator().manual_seed(0),
+            stats=stats,
+        ):
             most, before = max(most, stats.drafted - before), stats.drafted
         assert most <= 5, f"{most} nodes in one pass with tree_nodes=5 ({kw})"
 
 
 # ============================================================= 5. cost model and calibration
+
 
 def test_cost_model_interpolates_and_extrapolates():
     c = CostModel({1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0}, {1: 0.1, 4: 0.4})
@@ -341,6 +377,7 @@ def test_measure_works_for_a_small_vocabulary(models):
 
 def test_load_or_measure_caches_as_json(wide_models, monkeypatch):
     from specdecode.backends import cache_dir
+
     target, draft = CachedLM(wide_models[0]), CachedLM(wide_models[1])
     calls = []
     real = costs_mod.measure
@@ -348,6 +385,7 @@ def test_load_or_measure_caches_as_json(wide_models, monkeypatch):
     def counting(lm, sizes, **kw):
         calls.append(list(sizes))
         return real(lm, sizes, repeats=1, **{k: v for k, v in kw.items() if k != "repeats"})
+
     monkeypatch.setattr(costs_mod, "measure", counting)
     first = load_or_measure(target, draft, progress=False)
     assert len(calls) == 2  # target and draft
@@ -359,6 +397,7 @@ def test_load_or_measure_caches_as_json(wide_models, monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("measured again")
+
     monkeypatch.setattr(costs_mod, "measure", boom)
     second = load_or_measure(target, draft, progress=False)
     assert second.target == first.target and second.draft == first.draft
@@ -366,8 +405,14 @@ def test_load_or_measure_caches_as_json(wide_models, monkeypatch):
 
     # a damaged file is measured again and rewritten
     monkeypatch.setattr(costs_mod, "measure", counting)
-    for damage in ("{not json", files[0].read_text()[:20], "", json.dumps({"draft": {}}), "[1, 2]",
-                   json.dumps({"target": {"one": 1.0}})):
+    for damage in (
+        "{not json",
+        files[0].read_text()[:20],
+        "",
+        json.dumps({"draft": {}}),
+        "[1, 2]",
+        json.dumps({"target": {"one": 1.0}}),
+    ):
         files[0].write_text(damage)
         calls.clear()
         again = load_or_measure(target, draft, progress=False)
@@ -378,6 +423,7 @@ def test_load_or_measure_caches_as_json(wide_models, monkeypatch):
 
 def test_load_or_measure_keys_the_file_by_models(wide_models, monkeypatch):
     from specdecode.backends import cache_dir
+
     calls = []
     monkeypatch.setattr(costs_mod, "measure", lambda lm, sizes, **kw: calls.append(lm) or {n: 0.01 * n for n in sizes})
     target, draft = CachedLM(wide_models[0]), CachedLM(wide_models[1])
@@ -394,6 +440,7 @@ def test_load_or_measure_keys_the_file_by_models(wide_models, monkeypatch):
 @pytest.mark.parametrize("damage", [{"target": [1, 2]}, {"target": {}}, {"target": {"1": "fast"}}], ids=repr)
 def test_load_or_measure_remeasures_a_malformed_table(wide_models, monkeypatch, damage):
     from specdecode.backends import cache_dir
+
     target = CachedLM(wide_models[0])
     monkeypatch.setattr(costs_mod, "measure", lambda lm, sizes, **kw: {n: 0.01 * n for n in sizes})
     load_or_measure(target, None, progress=False)
@@ -410,6 +457,7 @@ def test_engine_measures_costs_once(monkeypatch, make_engine):
     def fake(lm, sizes, **kw):  # no timing: a fixed table (and no dependence on the machine's speed)
         calls.append(list(sizes))
         return {n: 0.01 + 0.001 * n for n in sizes}
+
     monkeypatch.setattr(costs_mod, "measure", fake)
     engine.generate("ab", method="tree", max_new_tokens=5)
     engine.generate("ab", method="tree", max_new_tokens=5, tree_width=1)
@@ -451,6 +499,7 @@ def test_calibration_starts_at_prior_and_learns():
 
 # ============================================================= 6. the planner
 
+
 def test_expensive_costs_back_off_to_plain_decoding(models, plain):
     target_model, draft_model = models
     for prompt in PROMPTS[:2]:
@@ -490,8 +539,10 @@ ALPHA = 1e-6
 
 @pytest.fixture(scope="module")
 def small_models():
-    return (tiny_model(0, vocab_size=SV, layers=1, eos_token_id=None),
-            tiny_model(1, vocab_size=SV, layers=1, eos_token_id=None))
+    return (
+        tiny_model(0, vocab_size=SV, layers=1, eos_token_id=None),
+        tiny_model(1, vocab_size=SV, layers=1, eos_token_id=None),
+    )
 
 
 def exact_pair_law(model, prompt):
@@ -513,8 +564,17 @@ def sampled_pairs(models, prompt, n_runs, pld, seed0=0):
     total, with_lookup = Stats(), 0
     for s in range(n_runs):
         out, stats = [], Stats()
-        steps = speculative_decode(target, drafter, prompt, gamma=2, params=SAMPLED, max_new_tokens=3, eos_ids=set(),
-                                   generator=torch.Generator().manual_seed(seed0 + s), stats=stats)
+        steps = speculative_decode(
+            target,
+            drafter,
+            prompt,
+            gamma=2,
+            params=SAMPLED,
+            max_new_tokens=3,
+            eos_ids=set(),
+            generator=torch.Generator().manual_seed(seed0 + s),
+            stats=stats,
+        )
         for new in steps:
             with_lookup += not out and stats.drafted > 12
             out += new
@@ -579,6 +639,7 @@ def test_sampled_harness_rejects_a_wrong_verifier(small_models, monkeypatch):
 
 # ============================================================= 8. Engine API
 
+
 @pytest.fixture
 def engine(tiny_engine, monkeypatch):
     """The shared tiny engine with hand-made pass costs (measuring would time this machine, and
@@ -589,16 +650,23 @@ def engine(tiny_engine, monkeypatch):
 
 def test_engine_tree_equals_autoregressive(engine, monkeypatch):
     plain = engine.generate("hello world", method="autoregressive", max_new_tokens=60)
-    for kw in ({}, dict(tree_width=2), dict(tree_depth=3), dict(tree_nodes=4),
-               dict(tree_width=1, tree_depth=5, tree_nodes=5), dict(tree_width=3, tree_depth=2)):
+    for kw in (
+        {},
+        dict(tree_width=2),
+        dict(tree_depth=3),
+        dict(tree_nodes=4),
+        dict(tree_width=1, tree_depth=5, tree_nodes=5),
+        dict(tree_width=3, tree_depth=2),
+    ):
         out = engine.generate("hello world", method="tree", max_new_tokens=60, **kw)
         assert out.token_ids == plain.token_ids and out.text == plain.text, kw
         assert out.stats.method == "tree" and out.stats.new_tokens == len(out.token_ids)
         assert out.stats.target_forwards < 60
     monkeypatch.setattr(engine, "costs", EXPENSIVE)
     assert engine.generate("hello world", method="tree", max_new_tokens=60).token_ids == plain.token_ids
-    sampled = [engine.generate("hello", method="tree", max_new_tokens=30, temperature=0.8, seed=3).token_ids
-               for _ in range(2)]
+    sampled = [
+        engine.generate("hello", method="tree", max_new_tokens=30, temperature=0.8, seed=3).token_ids for _ in range(2)
+    ]
     assert sampled[0] == sampled[1] and len(sampled[0]) <= 30
 
 
@@ -645,5 +713,5 @@ def test_engine_tree_stream_concatenates_to_text(engine):
     stop = full[20:23]
     stream = engine.stream("abc", method="tree", max_new_tokens=60, stop=[stop])
     deltas = list(stream)
-    assert "".join(deltas) == stream.result.text == full[:full.index(stop)]
+    assert "".join(deltas) == stream.result.text == full[: full.index(stop)]
     assert stream.result.stats.finish_reason == "stop"

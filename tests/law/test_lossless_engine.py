@@ -38,6 +38,7 @@ CPU cores by fork: each sample's seed, not its process, decides its output, so t
 depend on the split. With N = 10^5 its 15 cases take 54 CPU-minutes there (one pytest process on one
 core); ENGINE_STATS_N=20000 takes about 4 (and the chi-square then detects only biases sqrt(5) larger).
 """
+
 from __future__ import annotations
 
 import os
@@ -94,16 +95,22 @@ class ReplayModel:
 
     @staticmethod
     def _layers(cache: Cache):
-        return [(layer.keys, layer.values) if getattr(layer, "keys", None) is not None and layer.keys.numel()
-                else None for layer in cache.layers]
+        return [
+            (layer.keys, layer.values) if getattr(layer, "keys", None) is not None and layer.keys.numel() else None
+            for layer in cache.layers
+        ]
 
     def __call__(self, **kwargs):
         cache = kwargs.get("cache")
         assert isinstance(cache, Cache), "ReplayModel expects the KV cache as the keyword argument `cache`"
         # the key: every argument, tensors by shape, dtype and exact bytes (written out, not looped over
         # generically: this runs several times per generation, 10^5 generations per case)
-        key = [tuple(None if kv is None else (kv[0].shape, kv[0].numpy().tobytes(), kv[1].numpy().tobytes())
-                     for kv in self._layers(cache))]
+        key = [
+            tuple(
+                None if kv is None else (kv[0].shape, kv[0].numpy().tobytes(), kv[1].numpy().tobytes())
+                for kv in self._layers(cache)
+            )
+        ]
         for name, v in sorted(kwargs.items()):
             if isinstance(v, torch.Tensor):
                 key.append((name, v.shape, v.dtype, v.numpy().tobytes()))
@@ -129,6 +136,7 @@ class ReplayModel:
 
 class CharTokenizer:
     """V one-character tokens 'a'..'h', no special tokens: the Engine's text layer on a tiny vocabulary."""
+
     eos_token_id = None
     chat_template = None
 
@@ -198,8 +206,11 @@ def _random_session(model, rng: random.Random, steps: int = 80):
             par = par[:length] + list(range(length - 1, length - 1 + len(path)))
             logits = None
         assert len(par) == len(lm)
-        layers = [(layer.keys.clone(), layer.values.clone()) for layer in lm.cache.layers
-                  if getattr(layer, "keys", None) is not None]
+        layers = [
+            (layer.keys.clone(), layer.values.clone())
+            for layer in lm.cache.layers
+            if getattr(layer, "keys", None) is not None
+        ]
         seen.append((None if logits is None else logits.clone(), list(lm.ids), layers))
     return seen, ops
 
@@ -282,6 +293,7 @@ FRSPEC_KEEP = [0, 1, 2, 3, 4]
 def _lookup_sources(engine, monkeypatch, tmp_dir):
     """A datastore of random text over the tiny vocabulary (continuations branch) and an output history."""
     from specdecode.drafters import History, build_datastore, tokenizer_fingerprint
+
     rng = random.Random(5)
     docs = [[rng.randrange(V) for _ in range(rng.randint(5, 60))] for _ in range(60)]
     build_datastore(docs, tmp_dir / "ds", tokenizer_fingerprint(engine.tokenizer), vocab_size=V, progress=False)
@@ -294,8 +306,7 @@ def engine():
     tok = CharTokenizer()
     # the draft model sees a window of 4 tokens (drafters.model.DraftModel.window): its view is re-based
     # within these short generations, and the target's law must not notice
-    eng = Engine(ReplayModel(small_model(TARGET_SEED)), tok, ReplayModel(small_model(DRAFT_SEED)), tok,
-                 draft_window=4)
+    eng = Engine(ReplayModel(small_model(TARGET_SEED)), tok, ReplayModel(small_model(DRAFT_SEED)), tok, draft_window=4)
     eng.progress = False
     return eng
 
@@ -352,9 +363,11 @@ def law_of(setting):
 
 
 def pvalues(counts: np.ndarray, law: np.ndarray) -> dict[str, float]:
-    return {"first": gof_pvalue(counts.sum((1, 2)), law.sum((1, 2))),
-            "pair": gof_pvalue(counts.sum(2), law.sum(2)),
-            "triple": gof_pvalue(counts, law)}
+    return {
+        "first": gof_pvalue(counts.sum((1, 2)), law.sum((1, 2))),
+        "pair": gof_pvalue(counts.sum(2), law.sum(2)),
+        "triple": gof_pvalue(counts, law),
+    }
 
 
 # ============================================================= sampling through the engine
@@ -384,8 +397,20 @@ def _spy_on_tree_drafts(monkeypatch):
 def _generate(engine, kwargs, seeds) -> dict:
     """Run the generations with these seeds; counts of the emitted triples and what speculation did."""
     counts = np.zeros((V,) * NEW)
-    s = dict(n=0, first_drafted=0, first_nodes=0, accepted=0, rejected=0, bonus=0, passes=0, drafted=0,
-             first_lookup=0, first_drawn=0, first_siblings=0, strategies={})
+    s = dict(
+        n=0,
+        first_drafted=0,
+        first_nodes=0,
+        accepted=0,
+        rejected=0,
+        bonus=0,
+        passes=0,
+        drafted=0,
+        first_lookup=0,
+        first_drawn=0,
+        first_siblings=0,
+        strategies={},
+    )
     for seed in seeds:
         del _DRAFTS[:]
         stream = engine.stream(PROMPT, max_new_tokens=NEW, seed=seed, **kwargs)
@@ -484,6 +509,7 @@ def sample_engine(engine, monkeypatch, method: str, setting: str, n: int, seed0:
     if method == "lookup":
         import tempfile
         from pathlib import Path
+
         monkeypatch.setattr(engine, "datastore", None)
         _lookup_sources(engine, monkeypatch, Path(tempfile.mkdtemp()))
     # auto runs its first AUTO_PROBE_STEPS steps of each generation without the draft model (a measured
@@ -502,12 +528,14 @@ def sample_engine(engine, monkeypatch, method: str, setting: str, n: int, seed0:
 
 
 def _report(name, s, p):
-    print(f"\n{name}: n={s.n} workers={s.workers} {s.wall_s:.1f}s; p-values "
-          + " ".join(f"{k}={v:.3g}" for k, v in p.items())
-          + f"; first pass drafted {s.first_drafted / s.n:.3f} ({s.first_nodes / s.n:.2f} nodes), "
-            f"accepted {s.accepted / s.n:.2f} rejected {s.rejected / s.n:.2f} bonus {s.bonus / s.n:.2f} of samples, "
-            f"passes {s.passes / s.n:.2f}/sample, strategies {s.strategies}, first pass: drawn "
-            f"{s.first_drawn / s.n:.2f} lookup {s.first_lookup / s.n:.2f} branching {s.first_siblings / s.n:.2f}")
+    print(
+        f"\n{name}: n={s.n} workers={s.workers} {s.wall_s:.1f}s; p-values "
+        + " ".join(f"{k}={v:.3g}" for k, v in p.items())
+        + f"; first pass drafted {s.first_drafted / s.n:.3f} ({s.first_nodes / s.n:.2f} nodes), "
+        f"accepted {s.accepted / s.n:.2f} rejected {s.rejected / s.n:.2f} bonus {s.bonus / s.n:.2f} of samples, "
+        f"passes {s.passes / s.n:.2f}/sample, strategies {s.strategies}, first pass: drawn "
+        f"{s.first_drawn / s.n:.2f} lookup {s.first_lookup / s.n:.2f} branching {s.first_siblings / s.n:.2f}"
+    )
 
 
 # ============================================================= negative controls (WRONG on purpose)
@@ -555,12 +583,16 @@ def controls(method: str, setting: str) -> list[str]:
     """The wrong engines each case must reject. (The first pass of a tree method is nearly always a
     tree, so a wrong chain verifier hardly shows there; pruning by q < 0.2 hardly ever prunes a top-3
     q, nor the narrow trees of the auto case.)"""
-    return {"draft": ["residual_is_p"], "pld": ["residual_is_p"], "auto": ["no_residual_update"],
-            "draft-frspec": ["residual_is_p", "full_q"],
-            "lookup": ["no_residual_update"],
-            "auto-lookup": ["accept_everything"],
-            "auto-prediction": ["accept_everything", "residual_is_p"],
-            "tree": ["no_residual_update"] + (["prune_drawn_nodes"] if setting != "topk3" else [])}[method]
+    return {
+        "draft": ["residual_is_p"],
+        "pld": ["residual_is_p"],
+        "auto": ["no_residual_update"],
+        "draft-frspec": ["residual_is_p", "full_q"],
+        "lookup": ["no_residual_update"],
+        "auto-lookup": ["accept_everything"],
+        "auto-prediction": ["accept_everything", "residual_is_p"],
+        "tree": ["no_residual_update"] + (["prune_drawn_nodes"] if setting != "topk3" else []),
+    }[method]
 
 
 # ============================================================= the tests
@@ -568,8 +600,11 @@ def controls(method: str, setting: str) -> list[str]:
 # pld (a one-hot q through the chain rule) at T=1 only: under truncation the same rule with a one-hot q is the
 # auto-lookup case at top-k 3 (one lookup guess, a chain) and the lookup case at top-p 0.7 (chains and trees of
 # guesses); two cases of ~3 minutes each on 2 cores that tested nothing the others do not
-CASES = [(m, s) for m in ("draft", "tree", "auto") for s in SETTINGS] + [("pld", "T1"), ("auto-lookup", "topk3")] + \
-    [("lookup", "T1"), ("lookup", "topp0.7"), ("draft-frspec", "T1"), ("auto-prediction", "T1")]
+CASES = (
+    [(m, s) for m in ("draft", "tree", "auto") for s in SETTINGS]
+    + [("pld", "T1"), ("auto-lookup", "topk3")]
+    + [("lookup", "T1"), ("lookup", "topp0.7"), ("draft-frspec", "T1"), ("auto-prediction", "T1")]
+)
 
 
 def test_cost_tables_choose_what_the_cases_are_about():
@@ -617,7 +652,7 @@ def test_engine_keeps_the_target_law(request, monkeypatch, method, setting):
     for control in controls(method, setting):
         with monkeypatch.context() as m:
             _wrong(m, control)
-            bad, sb = sample_engine(engine, m, method, setting, N_CONTROL, seed0=10 ** 7)
+            bad, sb = sample_engine(engine, m, method, setting, N_CONTROL, seed0=10**7)
         pb = pvalues(bad, law)
         _report(f"{method}/{setting} control {control}", sb, pb)
         assert sb.first_drafted >= 0.5 * N_CONTROL

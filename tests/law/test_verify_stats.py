@@ -19,6 +19,7 @@ expected counts merged; a case fails when any p-value <= 1e-6):
 The harness takes any callable with verify()'s signature; deliberately wrong verifiers defined
 below must fail the same statistic.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

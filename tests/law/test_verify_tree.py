@@ -19,6 +19,7 @@ Negative controls: wrong multi-branch rules (siblings tried without the residual
 dropped after looking at their drawn value; top-k children verified with the q-ratio of the
 distribution they were ranked by) run through the same harness and must be rejected.
 """
+
 from __future__ import annotations
 
 import random
@@ -183,8 +184,9 @@ def test_greedy_chain_matches_verify():
     for trial in range(200):
         gamma = int(torch.randint(0, 6, (), generator=g))
         target = torch.randint(0, V, (gamma + 1,), generator=g)
-        draft = torch.where(torch.rand(gamma, generator=g) < 0.75, target[:gamma],
-                            torch.randint(0, V, (gamma,), generator=g))
+        draft = torch.where(
+            torch.rand(gamma, generator=g) < 0.75, target[:gamma], torch.randint(0, V, (gamma,), generator=g)
+        )
         p = one_hot(target, V)
         tokens = draft.tolist()
         parents = list(range(-1, gamma - 1))
@@ -286,30 +288,39 @@ V = 5
 _f64 = dict(dtype=torch.float64)
 # target: first token, second token given the first (row x), third given the second (row y)
 P0 = torch.tensor([0.30, 0.25, 0.25, 0.20, 0.00], **_f64)
-P1 = torch.tensor([
-    [0.05, 0.40, 0.00, 0.25, 0.30],
-    [0.50, 0.00, 0.20, 0.10, 0.20],
-    [0.10, 0.20, 0.30, 0.00, 0.40],
-    [0.00, 0.35, 0.15, 0.30, 0.20],
-    [0.20, 0.20, 0.20, 0.20, 0.20],  # after token 4, which the target never emits first
-], **_f64)
-P2 = torch.tensor([
-    [0.00, 0.30, 0.30, 0.20, 0.20],
-    [0.60, 0.10, 0.10, 0.10, 0.10],
-    [0.10, 0.10, 0.00, 0.40, 0.40],
-    [0.25, 0.25, 0.25, 0.25, 0.00],
-    [0.10, 0.20, 0.30, 0.40, 0.00],
-], **_f64)
+P1 = torch.tensor(
+    [
+        [0.05, 0.40, 0.00, 0.25, 0.30],
+        [0.50, 0.00, 0.20, 0.10, 0.20],
+        [0.10, 0.20, 0.30, 0.00, 0.40],
+        [0.00, 0.35, 0.15, 0.30, 0.20],
+        [0.20, 0.20, 0.20, 0.20, 0.20],  # after token 4, which the target never emits first
+    ],
+    **_f64,
+)
+P2 = torch.tensor(
+    [
+        [0.00, 0.30, 0.30, 0.20, 0.20],
+        [0.60, 0.10, 0.10, 0.10, 0.10],
+        [0.10, 0.10, 0.00, 0.40, 0.40],
+        [0.25, 0.25, 0.25, 0.25, 0.00],
+        [0.10, 0.20, 0.30, 0.40, 0.00],
+    ],
+    **_f64,
+)
 # draft: never proposes token 1 first (the target's second most likely), often proposes token 4,
 # which the target forbids; no ties, so top-k is unambiguous
 Q0 = torch.tensor([0.10, 0.00, 0.40, 0.30, 0.20], **_f64)
-Q1 = torch.tensor([
-    [0.30, 0.10, 0.20, 0.40, 0.00],
-    [0.10, 0.30, 0.00, 0.40, 0.20],
-    [0.40, 0.00, 0.10, 0.30, 0.20],
-    [0.20, 0.30, 0.26, 0.00, 0.24],
-    [0.10, 0.20, 0.30, 0.40, 0.00],
-], **_f64)
+Q1 = torch.tensor(
+    [
+        [0.30, 0.10, 0.20, 0.40, 0.00],
+        [0.10, 0.30, 0.00, 0.40, 0.20],
+        [0.40, 0.00, 0.10, 0.30, 0.20],
+        [0.20, 0.30, 0.26, 0.00, 0.24],
+        [0.10, 0.20, 0.30, 0.40, 0.00],
+    ],
+    **_f64,
+)
 JOINT2 = P0[:, None] * P1  # [x, y]
 JOINT3 = JOINT2[:, :, None] * P2[None]  # [x, y, z]
 
@@ -406,8 +417,6 @@ def build(g, n, scheme: Callable, k1: int, k2: int, order: str = "bfs", pass_q: 
                 cols.append(kids[i][0][:, j]), qcols.append(kids[i][1][:, j]), parents.append(node)
     q = torch.stack(qcols, 1).contiguous() if pass_q else None
     return Trees(torch.stack(cols, 1), parents, q)
-
-
 
 
 @dataclass

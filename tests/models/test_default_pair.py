@@ -7,6 +7,7 @@ runs load the cache. Exact greedy equality can only break where reduced precisio
 says so. On llama.cpp a pass over 4+ tokens may use other matmul kernels than a 1-token pass
 (quantized dot products in another order), which moves logits by up to ~0.5 on this model.
 """
+
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from specdecode.backends import cache_dir
 
 pytestmark = DEFAULT_PAIR_MARKS
 USER_CACHE = str(cache_dir())  # read before the per-test cache isolation of conftest
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 @pytest.fixture(scope="module", params=["llama.cpp", "torch"])
@@ -25,6 +26,7 @@ def engine(request):
     from conftest import DEFAULT_THREADS
     from specdecode import Engine
     from specdecode.backends.llamacpp import available
+
     if request.param == "llama.cpp" and not available():
         pytest.skip("llama-cpp-python is not installed (CI installs it)")
     os.environ["SPECDECODE_CACHE"] = USER_CACHE
@@ -36,8 +38,11 @@ def engine(request):
     # a small table measured here, after 128 tokens, drives the same code (the output cannot depend on the
     # table: that is what the test checks; the full measurement is tested on tiny models)
     from specdecode.planning.costs import CostModel, measure
-    engine.costs = CostModel(measure(engine.target, (1, 2, 4, 8), repeats=1),
-                             measure(engine.draft_model.lm, (1, 2, 4), repeats=1, budget_s=float("inf")))
+
+    engine.costs = CostModel(
+        measure(engine.target, (1, 2, 4, 8), repeats=1),
+        measure(engine.draft_model.lm, (1, 2, 4), repeats=1, budget_s=float("inf")),
+    )
     yield engine
     torch.set_num_threads(1)
 

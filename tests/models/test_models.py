@@ -1,4 +1,5 @@
 """Model loading: the default-pair assembly, the GGUF cache, clear errors for missing/corrupt files."""
+
 import dataclasses
 import os
 

@@ -1,6 +1,7 @@
 """Who reaches what: /v1 takes only bodies declared JSON (a browser's cross-site form post never starts a
 generation), and with protect_all (`serve --protect-all`) the API key guards /metrics and the API docs as it
 guards /v1, while /health and the web page stay open."""
+
 import pytest
 
 from helpers import LiveServer, http
@@ -18,8 +19,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 SHARED_CACHE = True  # one cache for this module's servers (conftest)
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
+)
 def test_a_body_not_declared_json_is_a_415_and_starts_no_generation(tiny_engine, monkeypatch, content_type):
     opened = []
     open_ = tiny_engine.open
@@ -32,8 +34,12 @@ def test_a_body_not_declared_json_is_a_415_and_starts_no_generation(tiny_engine,
             assert r.status_code == 415, r.text
             assert r.json()["error"]["code"] == "unsupported_media_type"
         assert opened == []
-        ok = http.post(f"{srv.url}/v1/completions", content=BODY, timeout=60,
-                       headers={"content-type": "application/json; charset=utf-8"})
+        ok = http.post(
+            f"{srv.url}/v1/completions",
+            content=BODY,
+            timeout=60,
+            headers={"content-type": "application/json; charset=utf-8"},
+        )
         assert ok.status_code == 200 and opened == [1]
         assert http.get(f"{srv.url}/v1/models").status_code == 200  # no body, no Content-Type needed
     finally:
@@ -45,8 +51,11 @@ def test_with_a_key_the_key_is_asked_before_the_content_type(tiny_engine):
     try:
         r = http.post(f"{srv.url}/v1/completions", content=BODY, headers={"content-type": "text/plain"})
         assert r.status_code == 401
-        r = http.post(f"{srv.url}/v1/completions", content=BODY,
-                      headers={"content-type": "text/plain", "Authorization": f"Bearer {KEY}"})
+        r = http.post(
+            f"{srv.url}/v1/completions",
+            content=BODY,
+            headers={"content-type": "text/plain", "Authorization": f"Bearer {KEY}"},
+        )
         assert r.status_code == 415
     finally:
         srv.stop()
@@ -62,6 +71,7 @@ def test_protect_all_puts_metrics_and_the_docs_behind_the_key(tiny_engine, prote
     if mounted:  # under a path prefix the Gate matches the path the app's routing sees
         from starlette.applications import Starlette
         from starlette.routing import Mount
+
         app = Starlette(routes=[Mount("/prefix", app=app)])
     srv = LiveServer(app)
     base = f"{srv.url}/prefix" if mounted else srv.url

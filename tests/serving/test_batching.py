@@ -1,5 +1,6 @@
 """Continuous batching (slots.py, backends/batching.py): generations on their own threads share llama.cpp passes;
 each one's output is that of the generation alone."""
+
 import threading
 import time
 
@@ -12,20 +13,27 @@ from specdecode.errors import SpecDecodeError
 from specdecode.slots import Slots
 from tiny import byte_tokenizer, tiny_model
 
-PROMPTS = ["abcabcabcabc abcabc", "the cat sat on the mat; the cat sat on the", "hello world", "xyz xyz xyz xyz",
-           "one two three one two three"]
+PROMPTS = [
+    "abcabcabcabc abcabc",
+    "the cat sat on the mat; the cat sat on the",
+    "hello world",
+    "xyz xyz xyz xyz",
+    "one two three one two three",
+]
 
 
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory):
     pytest.importorskip("llama_cpp")
     from tinygguf import write_tiny_gguf
+
     return write_tiny_gguf(tmp_path_factory.mktemp("batching") / "tiny.gguf", 0, hidden=128)
 
 
 @pytest.fixture(scope="module")
 def engine(gguf):
     from specdecode.backends.llamacpp import LlamaLM
+
     tok = byte_tokenizer()
     e = Engine(LlamaLM(gguf, threads=1), tok, LlamaLM(gguf, threads=1), tok)
     e.progress = False
@@ -43,15 +51,19 @@ def test_greedy_output_with_company_is_the_output_alone(engine, method):
 
 def test_mixed_methods_lengths_and_sampling_run_together(engine):
     """Different methods, lengths and sampling settings in the same passes; seeded sampling as alone."""
-    jobs = [dict(method="autoregressive", max_new_tokens=7), dict(method="tree", max_new_tokens=40),
-            dict(method="draft", gamma=3, max_new_tokens=25, temperature=0.9, seed=3),
-            dict(method="pld", max_new_tokens=30)]
+    jobs = [
+        dict(method="autoregressive", max_new_tokens=7),
+        dict(method="tree", max_new_tokens=40),
+        dict(method="draft", gamma=3, max_new_tokens=25, temperature=0.9, seed=3),
+        dict(method="pld", max_new_tokens=30),
+    ]
     alone = [engine.generate(p, **kw).token_ids for p, kw in zip(PROMPTS, jobs)]
     slots = Slots(engine, len(jobs))
     out = [None] * len(jobs)
 
     def go(i):
         out[i] = slots.run(i, PROMPTS[i], **jobs[i]).token_ids
+
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
     for t in threads:
         t.start()
@@ -71,6 +83,7 @@ def test_long_prompt_is_read_in_chunks_while_others_decode(engine):
     def spy(batch, done=None, more=None):
         seen.extend(len(r[0]) for r in batch)
         return real(batch, done, more)
+
     slots.engines[1].target._shared.decode = spy
     decoding, short = threading.Event(), []
 
@@ -79,6 +92,7 @@ def test_long_prompt_is_read_in_chunks_while_others_decode(engine):
             for piece in slots.engines[0].stream(PROMPTS[0], method="autoregressive", max_new_tokens=96):
                 decoding.set()
                 short.append(piece)
+
     t = threading.Thread(target=decode_short)
     t.start()
     assert decoding.wait(60)
@@ -93,6 +107,7 @@ def test_a_prompt_is_read_whole_while_no_other_generation_decodes(engine):
     """Chunks protect decoding generations' steps: with nobody decoding (alone, or every other live generation
     reading its own prompt) a prompt is read in passes of up to N_BATCH; beside a decoding one, in chunks."""
     from specdecode.backends.llamacpp import N_BATCH
+
     slots = Slots(engine, 3, prefill_chunk=16)
     lock, slot = slots.lockstep, slots.engines[0].target
     assert slot.feed_step(700) == N_BATCH and slot.feed_step(200) == 200  # nobody live
@@ -107,6 +122,7 @@ def test_a_prompt_is_read_whole_while_no_other_generation_decodes(engine):
                 with lock.reading_prompt():  # the other generation reads its prompt now
                     other.set()
                     stop.wait(10)
+
         t = threading.Thread(target=live_other)
         t.start()
         try:
@@ -133,6 +149,7 @@ def test_a_live_generation_that_stalls_does_not_hang_the_others(engine):
     def idle_live():
         with slots.generation():  # live, but never asks for a pass
             stalled.wait(5)
+
     t = threading.Thread(target=idle_live)
     t.start()
     try:
@@ -158,6 +175,7 @@ def test_a_failed_pass_fails_its_own_generation_only(engine):
         if calls[0] == 5:
             raise SpecDecodeError("injected failure")
         return real(tokens)
+
     shared._decode = flaky
     outs = [None, None]
 
@@ -166,6 +184,7 @@ def test_a_failed_pass_fails_its_own_generation_only(engine):
             outs[i] = slots.run(i, PROMPTS[i], method="autoregressive", max_new_tokens=24).token_ids
         except SpecDecodeError as e:
             outs[i] = e
+
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
@@ -174,14 +193,17 @@ def test_a_failed_pass_fails_its_own_generation_only(engine):
     shared._decode = real
     assert any(isinstance(o, SpecDecodeError) for o in outs)  # the call failed for those in it
     for i in range(2):  # and each slot is whole for its next request
-        assert slots.run(i, PROMPTS[i], method="autoregressive", max_new_tokens=24).token_ids == \
-            engine.generate(PROMPTS[i], method="autoregressive", max_new_tokens=24).token_ids
+        assert (
+            slots.run(i, PROMPTS[i], method="autoregressive", max_new_tokens=24).token_ids
+            == engine.generate(PROMPTS[i], method="autoregressive", max_new_tokens=24).token_ids
+        )
 
 
 def test_a_slot_reads_a_prompt_whole_when_its_chunk_size_changes_midway(engine, monkeypatch):
     """Others join or leave while a slot reads its prompt: its chunk size changes between chunks (16 <-> 512),
     and every token is still read once."""
     from specdecode.backends.llamacpp.batching import LlamaSlot
+
     sizes = iter([16, 512, 16, 512] * 50)
     monkeypatch.setattr(LlamaSlot, "feed_step", lambda self, left: min(left, next(sizes)))
     slot = Slots(engine, 2).engines[0].target
@@ -189,6 +211,7 @@ def test_a_slot_reads_a_prompt_whole_when_its_chunk_size_changes_midway(engine, 
     last = slot.forward(text, last_only=True)[-1]
     assert len(slot) == len(text) and slot.ids == text
     from specdecode.backends.llamacpp import LlamaLM
+
     alone = LlamaLM(engine.target.path, threads=1).forward(text, last_only=True)[-1]
     assert int(last.argmax()) == int(alone.argmax())
 
@@ -205,6 +228,7 @@ def test_plan_split_follows_the_measured_cost():
 
 def test_a_prompts_chunk_goes_apart_from_steps_where_mixed_tiles_cost_more():
     from specdecode.backends.llamacpp.split import FA_TILE, mixing
+
     cost = lambda n: 0.06 + 0.01 * n  # noqa: E731  (a call: 60 ms, and 10 ms a token)
     steps_and_chunk, cells = [1, 1, 1, 128], [1500, 1600, 1700, 1100]
     assert mixing(steps_and_chunk, cells, 5900, 7e-5) == pytest.approx(7e-5 * (5900 - 1100))  # all but the chunk's
@@ -234,6 +258,7 @@ def test_shared_context_decode_cuts_by_the_mixing_cost(engine):
         for s in (a, b):
             shared._lc.llama_memory_seq_rm(shared.mem, s.seq0, 150 if s is b else 0, -1)
         return made
+
     assert calls(0.0) == 1  # control: mixing free, one call carries both
     assert calls(1.0) == 2  # mixing dear: the chunk's call holds only its own generation
 
@@ -251,6 +276,7 @@ def test_time_mixing_is_measured_and_cached_with_the_calls(engine):
 
     from specdecode.backends.llamacpp.split import time_mixing
     from specdecode.planning.batch import costs_path
+
     slots = Slots(engine, 2)
     shared = slots.engines[0].target._shared
     raw = json.loads(costs_path(engine.target, 2).read_text())
@@ -271,6 +297,7 @@ def test_lockstep_runs_a_thread_outside_any_generation_at_once():
             for r in batch:
                 r[1] = [len(r[0])]
             return 1
+
     step = Lockstep()
     assert step.run(Fake(), [1, 2, 3]) == [3]
 
@@ -295,6 +322,7 @@ def test_a_pass_asked_for_during_a_round_joins_it_once_per_generation():
                     time.sleep(0.01)  # until "late" and "short again" are asked for
                 todo = sorted(todo + more(), key=lambda r: len(r[0]))
             return calls
+
     fake, both = Fake(), threading.Barrier(2)
 
     def first():
@@ -314,6 +342,7 @@ def test_a_pass_asked_for_during_a_round_joins_it_once_per_generation():
             time.sleep(0.01)
         with step.generation():
             step.run(fake, ["late"])
+
     threads = [threading.Thread(target=f) for f in (first, long, late)]
     for t in threads:
         t.start()
@@ -343,6 +372,7 @@ def test_each_call_hands_its_passes_back_as_soon_as_it_ends():
             live.wait()
             time.sleep(later)  # the short pass waits for the other live generation's, whose thread runs the call
             got[name] = step.run(fake, tokens)
+
     fake, live = Fake(), threading.Barrier(2)
     short = threading.Thread(target=go, args=("short", [1], 0.0))
     long = threading.Thread(target=go, args=("long", [1] * 100, 0.2))
@@ -362,6 +392,7 @@ def test_slots_need_a_backend_that_batches_and_no_exact_mode(gguf):
     with pytest.raises(SpecDecodeError, match="needs the llama.cpp backend"):
         Slots(Engine(tiny_model(0), tok), 2)
     from specdecode.backends.llamacpp import LlamaLM
+
     with pytest.raises(SpecDecodeError, match="exact mode runs one generation at a time"):
         Slots(Engine(LlamaLM(gguf, threads=1, exact=True), tok, exact=True), 2)
     with pytest.raises(SpecDecodeError, match="positive integer"):
@@ -373,6 +404,7 @@ def test_slots_need_a_backend_that_batches_and_no_exact_mode(gguf):
 def test_costs_in_company_are_what_a_pass_adds():
     from specdecode.planning.batch import BatchPricing
     from specdecode.planning.costs import CostModel
+
     table = {1: 0.079, 2: 0.119, 4: 0.181, 8: 0.462}  # Zen 3's T(k): a pass of 8 takes a slower kernel
     company = [0]
     costs = BatchPricing(CostModel(table, {1: 0.03, 2: 0.04}), lambda: company[0])
@@ -393,23 +425,43 @@ def test_a_guess_in_company_pays_whatever_the_others_do():
     beside the others' plain rows they make a call of 11 (real calls of 10-14 tokens: 1.3-1.6x the plain rows)."""
     from specdecode.planning.batch import BatchPricing
     from specdecode.planning.costs import CostModel
-    zen4 = {1: 33.4, 2: 57.9, 3: 81.6, 4: 99.4, 5: 124.3, 6: 144.3, 7: 171.6, 8: 223.3, 9: 242.6, 10: 257.0,
-            11: 282.1, 12: 291.9, 13: 315.4, 14: 323.2, 15: 344.9, 16: 289.7, 20: 359.5, 24: 411.4}
+
+    zen4 = {
+        1: 33.4,
+        2: 57.9,
+        3: 81.6,
+        4: 99.4,
+        5: 124.3,
+        6: 144.3,
+        7: 171.6,
+        8: 223.3,
+        9: 242.6,
+        10: 257.0,
+        11: 282.1,
+        12: 291.9,
+        13: 315.4,
+        14: 323.2,
+        15: 344.9,
+        16: 289.7,
+        20: 359.5,
+        24: 411.4,
+    }
     calls = CostModel({k: v / 1000 for k, v in zen4.items()})
-    now = BatchPricing(CostModel({1: .035, 2: .07, 4: .13}), lambda: 7, calls).at(128)
-    plain = 2 * .0994 / 8
+    now = BatchPricing(CostModel({1: 0.035, 2: 0.07, 4: 0.13}), lambda: 7, calls).at(128)
+    plain = 2 * 0.0994 / 8
     assert now.t(1) == pytest.approx(plain)  # 8 plain rows: two calls of 4, as plan_split cuts them
-    assert now.t(4) == pytest.approx(plain + (.1243 + .1443) - 2 * .0994)  # 11 tokens cut 5 + 6, less the 8 rows
+    assert now.t(4) == pytest.approx(plain + (0.1243 + 0.1443) - 2 * 0.0994)  # 11 tokens cut 5 + 6, less the 8 rows
     assert now.t(4) > 3.7 * now.t(1)  # 3 guesses accepted at 0.95 each (3.7 tokens expected) no longer pay
-    share = BatchPricing(CostModel({1: .035}), lambda: 7, calls)._cut(calls)(32) / 8
+    share = BatchPricing(CostModel({1: 0.035}), lambda: 7, calls)._cut(calls)(32) / 8
     assert share < 2.8 * plain < now.t(4)  # the share price alone said they did
-    solo = BatchPricing(CostModel({1: .035, 2: .07}), lambda: 0, calls).at(128)
-    assert solo.t(2) == .07  # alone: the generation's own table
+    solo = BatchPricing(CostModel({1: 0.035, 2: 0.07}), lambda: 0, calls).at(128)
+    assert solo.t(2) == 0.07  # alone: the generation's own table
 
 
 def _first_token_law(engine, prompt, params):
     from specdecode.backends.llamacpp import LlamaLM
     from specdecode.sampling import probs_from_logits
+
     alone = LlamaLM(engine.target.path, threads=1)
     ids = engine.encode(prompt)
     return probs_from_logits(alone.forward(ids, last_only=True)[-1], params).numpy()
@@ -428,6 +480,7 @@ def test_sampled_law_with_company_is_the_targets(engine):
     control hands rows to the wrong generations and must fail. ~5 ms per generation: 2 x 10^4 keeps it ~2 min."""
     from helpers import gof_pvalue
     from specdecode.sampling import SamplingParams
+
     params = SamplingParams(temperature=1.0, top_k=4)
     a, b = PROMPTS[0], PROMPTS[1]
     laws = {a: _first_token_law(engine, a, params), b: _first_token_law(engine, b, params)}
@@ -450,6 +503,7 @@ def test_sampled_law_with_company_is_the_targets(engine):
             for r, x in zip(batch, rows[::-1]):
                 r[1] = x
         return made
+
     shared.decode = swapped
     try:
         firsts = _sampled_first_tokens(slots, [a, b], 5_000)
@@ -468,24 +522,31 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
 
     from helpers import LiveServer
     from specdecode.server import create_app
+
     slots = Slots(engine, 3)
     live = LiveServer(create_app(engine, model_id="tiny", method="pld", gamma=2, slots=slots))
     url = live.url
-    reqs = [("completions", dict(prompt=p, max_tokens=8 + 4 * i,
-                                 speculation={"method": ["pld", "autoregressive", "tree"][i % 3]}))
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        (
+            "completions",
+            dict(prompt=p, max_tokens=8 + 4 * i, speculation={"method": ["pld", "autoregressive", "tree"][i % 3]}),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     reqs.append(("chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=12)))
     # max_tokens: the slot's room
     reqs.append(("chat/completions", dict(messages=[{"role": "user", "content": "bye"}])))
 
     async def one(client, path, body):
         text = ""
-        async with client.stream("POST", f"{url}/v1/{path}", json={"model": "tiny", "stream": True, "temperature": 0,
-                                                                   **body}) as r:
+        async with client.stream(
+            "POST", f"{url}/v1/{path}", json={"model": "tiny", "stream": True, "temperature": 0, **body}
+        ) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     import json
+
                     choice = json.loads(line[6:])["choices"]
                     if choice:
                         text += choice[0].get("text") or (choice[0].get("delta") or {}).get("content") or ""
@@ -494,6 +555,7 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
     async def all_at_once():
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*(one(client, path, body) for path, body in reqs))
+
     try:
         rows_before = slots.lockstep.rows
         got = asyncio.run(all_at_once())
@@ -504,8 +566,9 @@ def test_server_with_slots_answers_concurrent_streams_as_alone(engine):
     for (path, body), text in zip(reqs[:-1], got):
         spec = body.get("speculation", {})
         if path == "completions":
-            alone = engine.generate(body["prompt"], method=spec.get("method", "pld"), gamma=2,
-                                    max_new_tokens=body["max_tokens"])
+            alone = engine.generate(
+                body["prompt"], method=spec.get("method", "pld"), gamma=2, max_new_tokens=body["max_tokens"]
+            )
         else:
             alone = engine.generate(body["messages"], method="pld", gamma=2, max_new_tokens=body["max_tokens"])
         assert text == alone.text
@@ -517,6 +580,7 @@ def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monk
     from specdecode.backends.llamacpp import N_BATCH
     from specdecode.backends.llamacpp.batching import SharedContext
     from specdecode.planning.batch import CALLS_FORMAT, costs_path
+
     slots = Slots(engine, 2)
     raw = json.loads(costs_path(engine.target, 2).read_text())
     assert raw["format"] == CALLS_FORMAT
@@ -528,6 +592,7 @@ def test_call_costs_are_measured_once_per_machine_and_cut_the_calls(engine, monk
 
     def never(*a, **k):
         raise AssertionError("measured again")
+
     monkeypatch.setattr(SharedContext, "time_calls", never)
     again = Slots(engine, 2)  # read from the cache
     assert again.calls.target == slots.calls.target
@@ -543,19 +608,20 @@ def test_the_calls_table_learns_what_calls_take_and_the_prices_follow():
     adds; before an update (every LEARN_EVERY calls) the prices stay as they were."""
     from specdecode.planning.batch import LEARN_EVERY, BatchPricing, CallCostTracker
     from specdecode.planning.costs import CostModel
+
     xeon = {1: 59.2, 2: 96.8, 4: 114.7, 7: 190.5, 8: 210.2, 9: 217.7, 10: 234.7, 12: 246.8, 16: 247.3, 32: 422.9}
     calls = CostModel({k: v / 1000 for k, v in xeon.items()})
-    costs = BatchPricing(CostModel({1: .065, 2: .1}), lambda: 7, calls)
+    costs = BatchPricing(CostModel({1: 0.065, 2: 0.1}), lambda: 7, calls)
     guess = costs.at(300).t(2) - costs.at(300).t(1)
-    assert guess == pytest.approx(.2177 - .2102)  # what the 9-token call adds, as timed
+    assert guess == pytest.approx(0.2177 - 0.2102)  # what the 9-token call adds, as timed
     learned = CallCostTracker(calls)
     for _ in range(LEARN_EVERY - 1):
-        learned.observe(9, .228)
+        learned.observe(9, 0.228)
         learned.observe(40, 1.0)  # a prompt's chunk: not a decoding size, left as measured
-    assert calls.target[9] == pytest.approx(.2177) and costs.at(300).t(2) - costs.at(300).t(1) == pytest.approx(guess)
-    learned.observe(9, .228)  # the LEARN_EVERY-th decoding call: the table and the prices move
-    assert calls.target[9] == pytest.approx(.228, abs=1e-6) and calls.target[32] == pytest.approx(.4229)
-    assert costs.at(300).t(2) - costs.at(300).t(1) == pytest.approx(.228 - .2102, abs=1e-6)
+    assert calls.target[9] == pytest.approx(0.2177) and costs.at(300).t(2) - costs.at(300).t(1) == pytest.approx(guess)
+    learned.observe(9, 0.228)  # the LEARN_EVERY-th decoding call: the table and the prices move
+    assert calls.target[9] == pytest.approx(0.228, abs=1e-6) and calls.target[32] == pytest.approx(0.4229)
+    assert costs.at(300).t(2) - costs.at(300).t(1) == pytest.approx(0.228 - 0.2102, abs=1e-6)
 
 
 def test_served_calls_are_observed_by_the_slots_table(engine):
@@ -575,14 +641,17 @@ def test_every_drafter_stays_within_its_slots_tree_node_ids(engine, method, monk
     """32 slots hold (256 - 32) / 32 = 7 tree-node ids each: every planned drafter's tree (the draft model's
     expansion too) fits in them, on repetitive prompts whose lookup guesses would grow bigger trees."""
     from specdecode.backends.llamacpp.batching import LlamaSlot
+
     widest = []
     tree_pass = LlamaSlot._tree_pass
 
     def spy(self, new_ids, parents, n_trunk, last_only):
         widest.append((len(new_ids) - n_trunk, self.max_tree_nodes))
         return tree_pass(self, new_ids, parents, n_trunk, last_only)
+
     monkeypatch.setattr(LlamaSlot, "_tree_pass", spy)
     from specdecode.planning.costs import CostModel
+
     slots = Slots(engine, 32, cells=32 * 512)
     flat = CostModel({n: 0.01 for n in (1, 2, 4, 8, 16, 32, 64)}, {n: 0.001 for n in (1, 2, 4, 8, 16, 32, 64)})
     for e in slots.engines:  # passes priced flat: every guess pays, so trees grow as big as they may
@@ -599,6 +668,7 @@ def test_a_slots_share_of_tree_node_ids_leaves_a_copys_chain_its_depth(engine):
     from specdecode.methods import DraftRequest
     from specdecode.planning.tree import MAX_COPY_DEPTH
     from specdecode.sampling import SamplingParams
+
     slots = Slots(engine, 32, cells=32 * 512)
     e = slots.engines[0]
     request = DraftRequest(4, SamplingParams(), None, None, None, 64, None, tuple(range(40, 120)), None)
@@ -616,14 +686,17 @@ def test_a_server_on_slots_checks_requests_against_what_a_slot_holds(engine):
 
     from helpers import LiveServer
     from specdecode.server import create_app
+
     slots = Slots(engine, 2, cells=2 * 256)
     room = slots.engines[0].target.max_length
     assert room < 200 < engine.target.max_length
     live = LiveServer(create_app(engine, model_id="tiny", method="pld", slots=slots))
     try:
         with httpx.Client(base_url=live.url, timeout=60) as client:
+
             def post(**body):
                 return client.post("/v1/completions", json={"model": "tiny", "temperature": 0, **body})
+
             for stream in (False, True):
                 r = post(prompt="ab" * 100, max_tokens=4, stream=stream)
                 assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -643,15 +716,23 @@ def test_a_server_on_slots_refuses_a_tree_a_slot_cannot_hold_before_answering(en
 
     from helpers import LiveServer
     from specdecode.server import create_app
+
     slots = Slots(engine, 4, cells=4 * 256)
     assert slots.engines[0].target.max_tree_nodes == 63 < engine.target.max_tree_nodes
     live = LiveServer(create_app(engine, model_id="tiny", method="pld", slots=slots))
     try:
         with httpx.Client(base_url=live.url, timeout=60) as client:
+
             def post(stream, **shape):
-                body = {"model": "tiny", "prompt": "abcabc", "max_tokens": 4, "stream": stream,
-                        "speculation": {"method": "tree", **shape}}
+                body = {
+                    "model": "tiny",
+                    "prompt": "abcabc",
+                    "max_tokens": 4,
+                    "stream": stream,
+                    "speculation": {"method": "tree", **shape},
+                }
                 return client.post("/v1/completions", json=body)
+
             for stream in (False, True):
                 for shape, field in (({"tree_nodes": 100}, "tree_nodes"), ({"tree_width": 8}, "tree_width")):
                     r = post(stream, **shape)
@@ -670,6 +751,7 @@ def test_serve_ctx_size_is_each_slots_context_checked_against_memory(tmp_path, m
     from specdecode.cli import main
     from specdecode.server import app as app_module
     from tinygguf import write_tiny_gguf
+
     target = write_tiny_gguf(tmp_path / "long.gguf", 0, ctx=8192)
     apps = []
 
@@ -679,6 +761,7 @@ def test_serve_ctx_size_is_each_slots_context_checked_against_memory(tmp_path, m
 
         def run(self):
             pass
+
     monkeypatch.setattr(app_module, "Server", Recorder)
     args = ["serve", "--target", str(target), "--method", "pld", "--port", "0", "--parallel", "2"]
     assert main(args + ["--ctx-size", "6000"]) == 0

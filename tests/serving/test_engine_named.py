@@ -1,6 +1,7 @@
 """The engine that served a request, named in each response (`system_fingerprint`, `speculation.engine`, the
 `X-Specdecode-Engine` header), and `speculation.engine`, which pins one: on a server around a router of two tiny
 engines with different weights (so that a pin shows in the text), and around one plain Engine."""
+
 import json
 
 import openai
@@ -23,8 +24,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
 @pytest.fixture(scope="module")
 def router():
     r = Router.__new__(Router)  # the names a server knows, hand-made costs, no timing
-    r.engines = {"llama.cpp": build_engine(0, None, costs=STEEP, progress=False),
-                 "torch": build_engine(2, None, costs=FLAT, progress=False)}
+    r.engines = {
+        "llama.cpp": build_engine(0, None, costs=STEEP, progress=False),
+        "torch": build_engine(2, None, costs=FLAT, progress=False),
+    }
     r.primary = r.engines["llama.cpp"]
     r.read_s = {"llama.cpp": 0.12, "torch": 0.03}  # torch reads prompts 4x faster
     r.choices = {name: 0 for name in r.engines}
@@ -77,8 +80,13 @@ def test_max_tokens_does_not_move_a_request_to_another_engine(routed):
 
 
 def test_a_stream_names_its_engine_in_every_chunk_and_its_headers(routed, router):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
-            "speculation": {"engine": "torch"}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "stream": True,
+        "speculation": {"engine": "torch"},
+    }
     with http.stream("POST", f"{routed.url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["x-specdecode-engine"] == "torch"
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -88,17 +96,24 @@ def test_a_stream_names_its_engine_in_every_chunk_and_its_headers(routed, router
 
 def test_the_openai_client_reads_the_engine(routed):
     client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    out = client.chat.completions.create(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "hi"}],
-                                         extra_body={"speculation": {"engine": "torch"}})
+    out = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=6,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"speculation": {"engine": "torch"}},
+    )
     assert out.system_fingerprint == "torch" and out.model_extra["speculation"]["engine"] == "torch"
     chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=6, stream=True))
     assert {c.system_fingerprint for c in chunks} == {"llama.cpp"}
 
 
-@pytest.mark.parametrize("speculation, message", [
-    ({"engine": "vllm"}, "speculation.engine: Input should be 'llama.cpp' or 'torch'"),
-    ({"engine": "torch", "method": "draft"}, "engine 'torch' cannot run method 'draft'"),
-])
+@pytest.mark.parametrize(
+    "speculation, message",
+    [
+        ({"engine": "vllm"}, "speculation.engine: Input should be 'llama.cpp' or 'torch'"),
+        ({"engine": "torch", "method": "draft"}, "engine 'torch' cannot run method 'draft'"),
+    ],
+)
 def test_an_engine_that_cannot_serve_the_request_is_a_400_naming_the_field(routed, speculation, message):
     r = post(routed, "hi", 4, **speculation)
     err = r.json()["error"]
@@ -124,6 +139,7 @@ def test_a_server_on_batch_slots_names_the_engine_of_the_slot_that_ran_it(tmp_pa
     from specdecode.slots import Slots
     from tiny import byte_tokenizer
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
     e = Engine(LlamaLM(gguf, threads=1), byte_tokenizer())
     e.progress = False

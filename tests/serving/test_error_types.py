@@ -1,6 +1,7 @@
 """The server answers an error by its class (errors.py), never by its message: every error class declares a status,
 an OpenAI type and code that the response carries, and every `raise` in the server raises one of them (or one of the
 few exceptions that never become a response, listed here with the reason)."""
+
 import ast
 import importlib
 import inspect
@@ -39,18 +40,25 @@ def _raised_classes():
                 continue
             exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
             if isinstance(exc, ast.Name) and exc.id not in vars(module):  # raise refused; refused = p.unsupported(...)
-                home = min((f for f in functions if f.lineno <= node.lineno <= f.end_lineno),
-                           key=lambda f: f.end_lineno - f.lineno)
-                assigned = [a.value for a in ast.walk(home) if isinstance(a, ast.Assign)
-                            and any(isinstance(t, ast.Name) and t.id == exc.id for t in a.targets)]
+                home = min(
+                    (f for f in functions if f.lineno <= node.lineno <= f.end_lineno),
+                    key=lambda f: f.end_lineno - f.lineno,
+                )
+                assigned = [
+                    a.value
+                    for a in ast.walk(home)
+                    if isinstance(a, ast.Assign) and any(isinstance(t, ast.Name) and t.id == exc.id for t in a.targets)
+                ]
                 exc = assigned[0].func if assigned and isinstance(assigned[0], ast.Call) else exc
             yield path.name, node.lineno, _resolve(module, exc), node.exc
 
 
 def _resolve(module, node):
     if isinstance(node, ast.Name):
-        return vars(module).get(node.id, getattr(__builtins__, node.id, None) if not isinstance(__builtins__, dict)
-                                else __builtins__.get(node.id))
+        return vars(module).get(
+            node.id,
+            getattr(__builtins__, node.id, None) if not isinstance(__builtins__, dict) else __builtins__.get(node.id),
+        )
     if isinstance(node, ast.Attribute):
         owner = _resolve(module, node.value)
         return getattr(owner, node.attr, None)
@@ -98,16 +106,24 @@ def test_every_raise_in_the_server_is_a_typed_error():
 def test_the_walk_finds_the_raises_it_checks():
     """The check above reads real raise sites: the ones it must know about are among them."""
     found = {(name, getattr(obj, "__name__", None)) for name, _, obj, _ in _raised_classes()}
-    assert {("service.py", "ModelNotFound"), ("service.py", "ContextExceeded"), ("app.py", "Unauthorized"),
-            ("app.py", "HTTPException"), ("service.py", "unsupported")} <= found
+    assert {
+        ("service.py", "ModelNotFound"),
+        ("service.py", "ContextExceeded"),
+        ("app.py", "Unauthorized"),
+        ("app.py", "HTTPException"),
+        ("service.py", "unsupported"),
+    } <= found
 
 
-@pytest.mark.parametrize("error, status, code", [
-    (EngineUnavailable("llama_decode failed"), 503, "engine_unavailable"),
-    (EngineUnavailable("the prompt has 9 tokens; the model's context holds 8"), 503, "engine_unavailable"),
-    (ContextExceeded("llama_decode failed", param="prompt"), 400, "context_length_exceeded"),
-    (SpecDecodeError("the prompt has 9 tokens; the model's context holds 8"), 500, "engine_error"),
-])
+@pytest.mark.parametrize(
+    "error, status, code",
+    [
+        (EngineUnavailable("llama_decode failed"), 503, "engine_unavailable"),
+        (EngineUnavailable("the prompt has 9 tokens; the model's context holds 8"), 503, "engine_unavailable"),
+        (ContextExceeded("llama_decode failed", param="prompt"), 400, "context_length_exceeded"),
+        (SpecDecodeError("the prompt has 9 tokens; the model's context holds 8"), 500, "engine_error"),
+    ],
+)
 def test_a_running_generations_error_is_answered_by_its_class_whatever_its_words(error, status, code):
     err = generation_error(error, "completions", retry_after=7)
     assert (err.status, err.code) == (status, code)
@@ -115,8 +131,12 @@ def test_a_running_generations_error_is_answered_by_its_class_whatever_its_words
 
 
 def test_an_engine_fields_name_is_the_requests():
-    for engine_name, wire in (("gamma", "speculation.gamma"), ("max_new_tokens", "max_tokens"),
-                              ("prompt", "messages"), ("temperature", "temperature")):
+    for engine_name, wire in (
+        ("gamma", "speculation.gamma"),
+        ("max_new_tokens", "max_tokens"),
+        ("prompt", "messages"),
+        ("temperature", "temperature"),
+    ):
         err = p.engine_error(InvalidField("words that name no field", param=engine_name), "messages")
         assert err.param == wire and err.code == "invalid_value"
 
@@ -131,7 +151,10 @@ def test_every_engine_param_has_a_request_field():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
-                named |= {k.value.value for k in node.keywords
-                          if k.arg == "param" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)}
+                named |= {
+                    k.value.value
+                    for k in node.keywords
+                    if k.arg == "param" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)
+                }
     assert {"prompt", "temperature", "exact", "method"} <= named  # the walk sees the Engine's raise sites
     assert not {n for n in named if n not in p.WIRE_FIELDS and n not in request_fields}

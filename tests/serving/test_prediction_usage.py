@@ -4,6 +4,7 @@ input (a 400 naming it, before tokenizing where its length already says so), tok
 
 The character tokenizer makes each character one token that encodes back to itself, so a prediction written from
 the plain answer's text has known tokens, and greedy output never depends on the prediction."""
+
 from __future__ import annotations
 
 import json
@@ -57,13 +58,23 @@ def absent(text: str, n: int) -> str:
 
 def ask(client, prediction: str, max_tokens: int = N, stream: bool = False, **kw):
     """(text, completion_tokens, accepted, rejected) of the chat request, and the speculation stats."""
-    args = dict(model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=0,
-                prediction={"type": "content", "content": prediction}, **kw)
+    args = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=max_tokens,
+        temperature=0,
+        prediction={"type": "content", "content": prediction},
+        **kw,
+    )
     if not stream:
         out = client.chat.completions.create(**args)
         d = out.usage.completion_tokens_details
-        return (out.choices[0].message.content, out.usage.completion_tokens, d.accepted_prediction_tokens,
-                d.rejected_prediction_tokens)
+        return (
+            out.choices[0].message.content,
+            out.usage.completion_tokens,
+            d.accepted_prediction_tokens,
+            d.rejected_prediction_tokens,
+        )
     chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     last = chunks[-1]
     assert last.choices == []
@@ -110,18 +121,38 @@ def test_the_engine_and_the_cli_report_the_same_counts(engine, answer, tiny_dirs
     messages = [{"role": "user", "content": MESSAGES[0]["content"]}]
     prediction, accepted, rejected = edits(answer)["deletion"]
     out = engine.generate(messages, max_new_tokens=N, prediction=prediction)
-    assert (out.text, out.stats.accepted_prediction_tokens, out.stats.rejected_prediction_tokens) == \
-        (answer, accepted, rejected)
-    assert (out.as_dict()["stats"]["accepted_prediction_tokens"],
-            out.as_dict()["stats"]["rejected_prediction_tokens"]) == (accepted, rejected)
+    assert (out.text, out.stats.accepted_prediction_tokens, out.stats.rejected_prediction_tokens) == (
+        answer,
+        accepted,
+        rejected,
+    )
+    assert (
+        out.as_dict()["stats"]["accepted_prediction_tokens"],
+        out.as_dict()["stats"]["rejected_prediction_tokens"],
+    ) == (accepted, rejected)
 
     from specdecode.cli import main
     from specdecode.prediction import prediction_usage
+
     target, draft = tiny_dirs  # (byte tokenizer: the counts are checked against the tokens it wrote)
     pred = tmp_path / "pred.txt"
     pred.write_text("def add(a, b):\n    return a + b\n")
-    base = ["generate", "def add(a, b):", "--target", str(target), "--draft", str(draft), "--backend", "torch",
-            "--method", "lookup", "--max-new-tokens", "24", "--prediction", str(pred)]
+    base = [
+        "generate",
+        "def add(a, b):",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--backend",
+        "torch",
+        "--method",
+        "lookup",
+        "--max-new-tokens",
+        "24",
+        "--prediction",
+        str(pred),
+    ]
     assert main(base + ["--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     predicted = list(pred.read_bytes())  # one token a byte
@@ -161,8 +192,11 @@ def test_a_prediction_longer_than_the_context_is_a_400_naming_it(live, engine, e
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "prediction" and err["code"] == "context_length_exceeded" and encodings == []
-    r = post(live, {"type": "content", "content": [{"type": "text", "text": "y" * context},
-                                                   {"type": "text", "text": "z"}]}, stream=stream)
+    r = post(
+        live,
+        {"type": "content", "content": [{"type": "text", "text": "y" * context}, {"type": "text", "text": "z"}]},
+        stream=stream,
+    )
     assert r.status_code == 400, r.text  # 513 tokens, found once tokenized
     err = r.json()["error"]
     assert err["param"] == "prediction" and f"{context + 1} tokens" in err["message"]
@@ -171,18 +205,27 @@ def test_a_prediction_longer_than_the_context_is_a_400_naming_it(live, engine, e
 
 def test_a_lone_surrogate_in_the_prediction_is_a_400_naming_it(live, encodings):
     for content in ('"a\\ud800b"', '[{"type": "text", "text": "\\udc00"}]'):
-        raw = ('{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
-               '"prediction": {"type": "content", "content": %s}}' % content).encode()
-        r = http.post(f"{live.url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
-                      timeout=60)
+        raw = (
+            '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
+            '"prediction": {"type": "content", "content": %s}}' % content
+        ).encode()
+        r = http.post(
+            f"{live.url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"}, timeout=60
+        )
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "prediction" and "surrogate" in err["message"]
     assert encodings == []
-    paired = b'{"model": "tiny", "max_tokens": 2, "prompt": "hi", "prediction": {"type": "content", ' \
-             b'"content": "\\ud83d\\ude00"}}'  # a pair is one character (not in this vocabulary: no token)
-    assert http.post(f"{live.url}/v1/completions", content=paired, headers={"content-type": "application/json"},
-                     timeout=60).status_code == 200
+    paired = (
+        b'{"model": "tiny", "max_tokens": 2, "prompt": "hi", "prediction": {"type": "content", '
+        b'"content": "\\ud83d\\ude00"}}'
+    )  # a pair is one character (not in this vocabulary: no token)
+    assert (
+        http.post(
+            f"{live.url}/v1/completions", content=paired, headers={"content-type": "application/json"}, timeout=60
+        ).status_code
+        == 200
+    )
 
 
 @pytest.mark.parametrize("chat, stream", [(False, False), (True, True)])
@@ -200,18 +243,30 @@ def test_the_bodys_prediction_reaches_the_drafter_tokenized_once(live, engine, a
     import dataclasses
 
     from specdecode.methods import METHOD_TABLE
+
     texts, drafted_from = [], []
     tokenizer = type(engine.tokenizer)
     call = tokenizer.__call__
-    monkeypatch.setattr(tokenizer, "__call__", lambda self, text, *a, **kw: texts.append(text) or call(
-        self, text, *a, **kw))
+    monkeypatch.setattr(
+        tokenizer, "__call__", lambda self, text, *a, **kw: texts.append(text) or call(self, text, *a, **kw)
+    )
     build = METHOD_TABLE[method].build
-    monkeypatch.setitem(METHOD_TABLE, method, dataclasses.replace(
-        METHOD_TABLE[method], build=lambda parts, request: drafted_from.append(request.prediction_ids) or build(
-            parts, request)))
+    monkeypatch.setitem(
+        METHOD_TABLE,
+        method,
+        dataclasses.replace(
+            METHOD_TABLE[method],
+            build=lambda parts, request: drafted_from.append(request.prediction_ids) or build(parts, request),
+        ),
+    )
     live.wait_idle()
-    body = {"model": MODEL, "max_tokens": 4, "prompt": "once", "speculation": {"method": method},
-            "prediction": {"type": "content", "content": answer}}
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "prompt": "once",
+        "speculation": {"method": method},
+        "prediction": {"type": "content", "content": answer},
+    }
     r = http.post(f"{live.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert sorted(texts) == sorted(["once", answer])
@@ -223,14 +278,24 @@ def test_a_batch_slot_opens_the_request_again_without_tokenizing_the_prediction(
     import anyio
 
     from specdecode.server import protocol as p
+
     service = create_app(engine, model_id=MODEL, method="auto").state.service
     _, chat = p.request_models(service.cap)
-    body = chat.model_validate_json(json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 4,
-                                                "prediction": {"type": "content", "content": answer}}))
+    body = chat.model_validate_json(
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": MESSAGES,
+                "max_tokens": 4,
+                "prediction": {"type": "content", "content": answer},
+            }
+        )
+    )
     stream = anyio.run(service.open, body, "chat", [m.as_engine_message() for m in body.messages])
     again = stream.reopen(engine)
     assert encodings == [answer] and again.prediction_ids == stream.prediction_ids == tuple(
-        engine.encoder(answer, add_special_tokens=False)["input_ids"])
+        engine.encoder(answer, add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_batch_slots_count_the_prediction_as_the_engine_alone(tmp_path, monkeypatch):
@@ -242,6 +307,7 @@ def test_batch_slots_count_the_prediction_as_the_engine_alone(tmp_path, monkeypa
     from specdecode.slots import Slots
     from tiny import byte_tokenizer
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", 0, hidden=128)
     tok = byte_tokenizer()
     e = Engine(LlamaLM(gguf, threads=1), tok, LlamaLM(gguf, threads=1), tok)
@@ -253,18 +319,31 @@ def test_batch_slots_count_the_prediction_as_the_engine_alone(tmp_path, monkeypa
     texts = []
     for engine in [e, *slots.engines]:
         encode = engine.encode_prediction
-        monkeypatch.setattr(engine, "encode_prediction",
-                            lambda x, encode=encode: (texts.append(x) if isinstance(x, str) else None) or encode(x))
+        monkeypatch.setattr(
+            engine,
+            "encode_prediction",
+            lambda x, encode=encode: (texts.append(x) if isinstance(x, str) else None) or encode(x),
+        )
     live = LiveServer(create_app(e, model_id=MODEL, method="pld", slots=slots))
     try:
-        r = http.post(f"{live.url}/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "abcabcabc abc", "max_tokens": 24, "temperature": 0,
-            "prediction": {"type": "content", "content": prediction}})
+        r = http.post(
+            f"{live.url}/v1/completions",
+            timeout=60,
+            json={
+                "model": MODEL,
+                "prompt": "abcabcabc abc",
+                "max_tokens": 24,
+                "temperature": 0,
+                "prediction": {"type": "content", "content": prediction},
+            },
+        )
     finally:
         live.stop()
     assert r.status_code == 200, r.text
     d = r.json()["usage"]["completion_tokens_details"]
     assert r.json()["choices"][0]["text"] == alone.text and texts == [prediction]
     assert (d["accepted_prediction_tokens"], d["rejected_prediction_tokens"]) == (
-        alone.stats.accepted_prediction_tokens, alone.stats.rejected_prediction_tokens)
+        alone.stats.accepted_prediction_tokens,
+        alone.stats.rejected_prediction_tokens,
+    )
     assert alone.stats.accepted_prediction_tokens > 0

@@ -2,6 +2,7 @@
 1 thread each, driven by the official openai client; and the `ray` extra kept optional. One module fixture starts
 Ray once (35 s of the minute these tests take on 2 cores): the tests that need it are marked `cluster` (CI runs
 them; `-m "not cluster"` leaves them out) and run on one xdist worker."""
+
 import asyncio
 import json
 import socket
@@ -35,8 +36,14 @@ def test_ray_is_an_optional_extra():
     assert not any(d.lower().startswith("ray") for d in project["dependencies"])
     assert any(d.startswith("ray[serve]>=") for d in project["optional-dependencies"]["ray"])
     assert "ray" in project["optional-dependencies"]["test"][0]  # specdecode[server,bench,ray]
-    r = run([sys.executable, "-c", "import sys, specdecode, specdecode.cli, specdecode.server; "
-                                   "assert 'ray' not in sys.modules, 'ray imported'"])
+    r = run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, specdecode, specdecode.cli, specdecode.server; "
+            "assert 'ray' not in sys.modules, 'ray imported'",
+        ]
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -61,9 +68,11 @@ def test_ray_flags_are_checked(capsys):
     assert main(["serve", "--ray", "--replicas", "2", "--autoscale", "1,2"]) == 2  # both
     assert capsys.readouterr().err.count("specdecode: error: --replicas and --autoscale go with --ray") == 2
     # serve's own settings, checked by the same function before Ray starts
-    for args, match in ((["--max-queue", "0"], "--max-queue must be a positive integer"),
-                        (["--gamma", "0"], "--gamma must be"),
-                        (["--parallel", "2"], "--parallel is not available inside Ray replicas")):
+    for args, match in (
+        (["--max-queue", "0"], "--max-queue must be a positive integer"),
+        (["--gamma", "0"], "--gamma must be"),
+        (["--parallel", "2"], "--parallel is not available inside Ray replicas"),
+    ):
         assert main(["serve", "--ray", *args]) == 2
         assert match in capsys.readouterr().err
     with pytest.raises(ray_serve.SpecDecodeError, match="MIN,MAX"):
@@ -81,12 +90,15 @@ def test_serve_ray_that_cannot_start_exits_with_one_line(tiny_dirs, monkeypatch,
     in the controller's environment, then one clear line and exit status 2, not Ray's traceback."""
     ray = pytest.importorskip("ray")
     from ray import serve
+
     calls = []
 
     def failing_start(**kwargs):
         calls.append(kwargs)
-        raise RuntimeError("ActorDiedError: The actor died unexpectedly before finishing this task.\n\tclass_name: "
-                           "ProxyActor\n(the proxy failed its readiness check 3 times)")
+        raise RuntimeError(
+            "ActorDiedError: The actor died unexpectedly before finishing this task.\n\tclass_name: "
+            "ProxyActor\n(the proxy failed its readiness check 3 times)"
+        )
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no cluster: start goes straight to serve.start
     monkeypatch.setattr(serve, "start", failing_start)
@@ -102,8 +114,11 @@ def test_serve_ray_that_cannot_start_exits_with_one_line(tiny_dirs, monkeypatch,
     assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == ray_serve.PROXY_CALLBACK
 
 
-@pytest.mark.parametrize("connected, started_here", [(True, False), (False, False), (False, True)],
-                         ids=["connected-before", "attached", "started-here"])
+@pytest.mark.parametrize(
+    "connected, started_here",
+    [(True, False), (False, False), (False, True)],
+    ids=["connected-before", "attached", "started-here"],
+)
 def test_a_failed_start_shuts_serve_down_only_on_a_cluster_started_here(monkeypatch, connected, started_here):
     """serve.shutdown() stops every Serve application of the cluster: after a failed start it runs only where this
     process started the cluster itself, never where it attached to one ($RAY_ADDRESS, a `ray start`)."""
@@ -111,6 +126,7 @@ def test_a_failed_start_shuts_serve_down_only_on_a_cluster_started_here(monkeypa
     from types import SimpleNamespace
 
     from ray import serve
+
     state = {"initialized": connected}
     shutdowns = []
 
@@ -137,9 +153,13 @@ def test_replica_is_ready_only_after_load_and_cost_measurement(tiny_dirs):
     """The replica's constructor (what Ray Serve waits for before it routes to it) loads the models and measures
     the pass costs; its app carries the replica id in a header and in every metric sample."""
     from fastapi.testclient import TestClient
+
     target, draft = tiny_dirs
-    replica = ray_serve.Replica(dict(target=str(target), draft=str(draft), backend="torch", threads=1),
-                                dict(model_id=MODEL, method="draft"), ctx_size=128)
+    replica = ray_serve.Replica(
+        dict(target=str(target), draft=str(draft), backend="torch", threads=1),
+        dict(model_id=MODEL, method="draft"),
+        ctx_size=128,
+    )
     app = replica.__serve_build_asgi_app__()
     assert app.state.engine.costs is not None  # measured in the constructor, not in the first request
     assert app.state.engine.target.max_length == 128  # --ctx-size, applied after measuring
@@ -171,8 +191,13 @@ def test_proxy_finishes_what_a_dead_replica_left():
         return None
 
     async def died_in_stream(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
 
     async def finished(scope, receive, send):
@@ -195,6 +220,7 @@ def cluster(tiny_dirs, tmp_path_factory):
     """2 replicas x 1 thread of the tiny pair behind Ray Serve's proxy on 127.0.0.1, and the same app in process."""
     ray = pytest.importorskip("ray", reason='Ray Serve is not installed (pip install -e ".[ray]"; CI installs it)')
     from ray import serve
+
     target, draft = tiny_dirs
     mp = pytest.MonkeyPatch()
     mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
@@ -204,12 +230,28 @@ def cluster(tiny_dirs, tmp_path_factory):
     sock.close()
     cache = tmp_path_factory.mktemp("ray-cache")
     start = time.monotonic()
-    ray_serve.start("127.0.0.1", port, address="local", num_cpus=2, include_dashboard=False,
-                    object_store_memory=80 * 2 ** 20, log_to_driver=False,
-                    runtime_env={"env_vars": {"SPECDECODE_CACHE": str(cache)}})
+    ray_serve.start(
+        "127.0.0.1",
+        port,
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=80 * 2**20,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"SPECDECODE_CACHE": str(cache)}},
+    )
     try:
-        app = ray_serve.ray_app(str(target), str(draft), method="draft", gamma=3, replicas=2, threads=1,
-                                backend="torch", served_model_name=MODEL, timeout_s=60)
+        app = ray_serve.ray_app(
+            str(target),
+            str(draft),
+            method="draft",
+            gamma=3,
+            replicas=2,
+            threads=1,
+            backend="torch",
+            served_model_name=MODEL,
+            timeout_s=60,
+        )
         serve.run(app, name=ray_serve.APP_NAME, route_prefix="/")
         sys.stderr.write(f"ray cluster and 2 replicas ready in {time.monotonic() - start:.1f} s\n")
         yield f"http://127.0.0.1:{port}"
@@ -228,6 +270,7 @@ def plain(tiny_dirs):
 
     from specdecode import Engine
     from specdecode.server import create_app
+
     target, draft = tiny_dirs
     engine = Engine.load(str(target), str(draft), backend="torch", threads=1, progress=False)
     with TestClient(create_app(engine, model_id=MODEL, method="draft", gamma=3)) as http:
@@ -240,14 +283,23 @@ def client(url: str, timeout: float = 30) -> openai.OpenAI:
 
 def answers(c: openai.OpenAI) -> dict:
     messages = [{"role": "user", "content": "hi there"}]
-    out = {"completion": c.completions.create(model=MODEL, prompt="hello world", max_tokens=24, temperature=0)
-           .choices[0].text,
-           "chat": c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
-           .choices[0].message.content}
-    out["completion stream"] = "".join(ch.choices[0].text for ch in c.completions.create(
-        model=MODEL, prompt="hello world", max_tokens=24, temperature=0, stream=True))
-    out["chat stream"] = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True) if ch.choices)
+    out = {
+        "completion": c.completions.create(model=MODEL, prompt="hello world", max_tokens=24, temperature=0)
+        .choices[0]
+        .text,
+        "chat": c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        .choices[0]
+        .message.content,
+    }
+    out["completion stream"] = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(model=MODEL, prompt="hello world", max_tokens=24, temperature=0, stream=True)
+    )
+    out["chat stream"] = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True)
+        if ch.choices
+    )
     return out
 
 
@@ -289,10 +341,16 @@ def test_requests_spread_over_both_replicas_with_their_metrics(cluster):
 @pytest.mark.xdist_group("ray")
 def test_replica_killed_mid_stream_fails_cleanly_and_is_replaced(cluster):
     import ray
+
     c = client(cluster, timeout=30)
     with c.completions.with_streaming_response.create(
-            model=MODEL, prompt="a", max_tokens=400, temperature=0, stream=True,
-            extra_body={"speculation": {"method": "autoregressive"}}) as response:
+        model=MODEL,
+        prompt="a",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"speculation": {"method": "autoregressive"}},
+    ) as response:
         rid = response.headers[ray_serve.REPLICA_HEADER]
         stream = iter(response.parse())
         text = next(stream).choices[0].text
@@ -304,6 +362,7 @@ def test_replica_killed_mid_stream_fails_cleanly_and_is_replaced(cluster):
                 assert chunk.choices[0].finish_reason is None, "the stream ended as if complete"
         assert time.monotonic() - t0 < 20
     assert failure.value.body["code"] == "replica_unavailable"
+
     def one(i):
         r = c.completions.with_raw_response.create(model=MODEL, prompt=f"after {i}", max_tokens=6, temperature=0)
         return r.headers[ray_serve.REPLICA_HEADER]

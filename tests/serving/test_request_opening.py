@@ -1,6 +1,7 @@
 """Opening a request (Service.open on Worker.open: tokenizing it) beside others: a big body holds one tokenizer copy
 (lease.TokenizerCopies), not every request's, and bodies waiting to be tokenized hold places in the queue
 (`--max-queue`)."""
+
 import threading
 import time
 
@@ -23,6 +24,7 @@ def post_in_thread(url, body, results, key):
             results[key] = http.post(url, json=body, timeout=120)
         except Exception as e:  # noqa: BLE001 (the test reads it)
             results[key] = e
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -49,13 +51,15 @@ def test_a_small_request_is_not_held_up_by_a_big_body_being_tokenized(copies, mo
     tokenize_s = time.perf_counter() - t0
     results = {}
     try:
-        big = post_in_thread(f"{srv.url}/v1/completions", {"model": MODEL, "prompt": BIG, "max_tokens": 4}, results,
-                             "big")
+        big = post_in_thread(
+            f"{srv.url}/v1/completions", {"model": MODEL, "prompt": BIG, "max_tokens": 4}, results, "big"
+        )
         wait_for(lambda: srv.worker._opening == 1)  # admitted: its body is being tokenized
         time.sleep(min(0.05, tokenize_s / 10))
         t0 = time.perf_counter()
-        small = http.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 2},
-                          timeout=60)
+        small = http.post(
+            f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 2}, timeout=60
+        )
         small_s = time.perf_counter() - t0
         assert small.status_code == 200, small.text
         big.join(120)

@@ -1,5 +1,6 @@
 """The server's worker and queue on their own: no app, no HTTP. Jobs carry fake streams that yield
 given deltas, optionally held at a gate, so order, cancellation and deadlines are under control."""
+
 import asyncio
 import threading
 import time
@@ -14,8 +15,9 @@ from specdecode.stats import Generation, Stats
 class FakeStream:
     """What Engine.stream returns, reduced to what the worker uses: iteration, .stats, .result."""
 
-    def __init__(self, deltas, gate: threading.Event | None = None, delay: float = 0.0,
-                 error: SpecDecodeError | None = None):
+    def __init__(
+        self, deltas, gate: threading.Event | None = None, delay: float = 0.0, error: SpecDecodeError | None = None
+    ):
         self.deltas, self.gate, self.delay, self.error = list(deltas), gate, delay, error
         self.stats = Stats(method="pld", prompt_tokens=3)
         self.result = None
@@ -84,8 +86,11 @@ def test_full_queue_refuses_and_retry_after_counts_the_jobs_ahead(worker):
     async def main():
         gate = threading.Event()
         running = FakeStream(["x"], gate)
-        jobs = [Job(running, "completions", 60), Job(FakeStream(["y"]), "completions", 60),
-                Job(FakeStream(["z"]), "completions", 60)]
+        jobs = [
+            Job(running, "completions", 60),
+            Job(FakeStream(["y"]), "completions", 60),
+            Job(FakeStream(["z"]), "completions", 60),
+        ]
         worker.submit(jobs[0])
         assert await asyncio.to_thread(running.started.wait, 10)
         worker.submit(jobs[1])
@@ -173,7 +178,7 @@ def test_deadlines(worker):
         gate.set()
         return events
 
-    (kind, err), = asyncio.run(main())
+    ((kind, err),) = asyncio.run(main())
     assert kind == "error" and err.status == 503 and err.code == "timeout" and int(err.headers()["Retry-After"]) >= 1
     assert worker.queued == 0 and generations(worker, "timeout") == 2
 
@@ -208,7 +213,7 @@ def test_engine_error_at_the_start_is_a_400_and_the_worker_goes_on(worker):
         return bad, good
 
     bad, good = asyncio.run(main())
-    (kind, err), = bad
+    ((kind, err),) = bad
     assert kind == "error" and err.status == 400 and err.message.startswith("the prompt has 9 tokens")
     assert err.code == "context_length_exceeded" and err.param == "messages"  # the chat's name for the prompt
     assert good[-1][1].text == "ok" and generations(worker, "error") == 1
@@ -235,6 +240,7 @@ def _silent_stream(max_new_tokens: int, step_s: float = 0.005):
     """A real Engine stream whose steps emit no text (as while a stop string's prefix is held back, or special
     tokens are skipped), step_s per step."""
     from tiny import build_engine  # (conftest's make_engine)
+
     engine = build_engine(draft=None)
     engine.eos_ids = set()
     engine.decode = lambda ids: ""
@@ -284,6 +290,7 @@ def test_a_long_prompts_read_stops_between_its_passes_when_interrupted(backend, 
     a client gone during a long prompt's read frees the worker after one pass, not after the whole prompt."""
     from specdecode import Engine
     from tiny import byte_tokenizer, tiny_model
+
     tok = byte_tokenizer()
     if backend == "torch":
         target = tiny_model(0, max_pos=4096)
@@ -291,6 +298,7 @@ def test_a_long_prompts_read_stops_between_its_passes_when_interrupted(backend, 
         pytest.importorskip("llama_cpp")
         from specdecode.backends.llamacpp import LlamaLM
         from tinygguf import write_tiny_gguf
+
         target = LlamaLM(write_tiny_gguf(tmp_path / "t.gguf", 0, ctx=4096), threads=1)
     engine = Engine(target, tok)
     prompt = "the quick brown fox jumps over the lazy dog; " * 40  # 1,800 tokens: 4 passes of 512

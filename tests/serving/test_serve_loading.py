@@ -1,5 +1,6 @@
 """`specdecode serve`'s model loading: --ctx-size on every engine of a router, and the options `--ray` passes to
 its replicas or refuses (none dropped)."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,10 @@ def test_ctx_size_limits_every_engine_of_a_router(monkeypatch):
     monkeypatch.setattr(routing.Router, "load", classmethod(lambda cls, *a, **kw: two_engine_router()))
     args = build_parser().parse_args(["serve", "--route", "--ctx-size", "40", "--method", "pld"])
     router, slots = load_served(args)
-    assert slots is None and {n: e.target.max_length for n, e in router.engines.items()} == {"llama.cpp": 40,
-                                                                                               "torch": 40}
+    assert slots is None and {n: e.target.max_length for n, e in router.engines.items()} == {
+        "llama.cpp": 40,
+        "torch": 40,
+    }
     args = build_parser().parse_args(["serve", "--route", "--ctx-size", "100000", "--method", "pld"])
     with pytest.raises(routing.SpecDecodeError, match="more than the model's context"):
         load_served(args)
@@ -36,6 +39,7 @@ def ray_calls(monkeypatch):
     """serve --ray's calls into ray_serve, recorded instead of starting Ray."""
     pytest.importorskip("ray")
     from specdecode.server import ray_serve
+
     calls = {}
     monkeypatch.setattr(ray_serve, "ray_app", lambda *a, **kw: calls.setdefault("ray_app", kw) and "app")
     monkeypatch.setattr(ray_serve, "run_ray", lambda *a: calls.setdefault("run_ray", a))

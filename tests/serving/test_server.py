@@ -1,4 +1,5 @@
 """The OpenAI-compatible server, against live uvicorn servers on 127.0.0.1 around tiny engines."""
+
 import json
 import os
 import signal
@@ -81,8 +82,13 @@ def test_models_and_health(live, client):
 @pytest.mark.parametrize("method", ["draft", "pld", "autoregressive", "tree"])
 def test_completion_greedy_equals_engine(live, client, tiny_engine, method):
     ref = reference(live, tiny_engine, "hello world", method=method, gamma=3, max_new_tokens=24)
-    out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=24, temperature=0,
-                                    extra_body={"speculation": {"method": method, "gamma": 3}})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="hello world",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"speculation": {"method": method, "gamma": 3}},
+    )
     assert out.choices[0].text == ref.text
     assert out.choices[0].finish_reason == ("length" if ref.stats.finish_reason == "length" else "stop")
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref.stats.prompt_tokens, ref.stats.new_tokens)
@@ -92,8 +98,16 @@ def test_completion_greedy_equals_engine(live, client, tiny_engine, method):
     if method != "tree":  # a greedy tree's shape follows what the engine learned so far; its text does not
         assert spec["drafted"] == ref.stats.drafted and spec["accepted"] == ref.stats.accepted
 
-    chunks = list(client.completions.create(model=MODEL, prompt="hello world", max_tokens=24, temperature=0,
-                                            stream=True, extra_body={"speculation": {"method": method, "gamma": 3}}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="hello world",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"speculation": {"method": method, "gamma": 3}},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == ref.text
     assert [c.choices[0].finish_reason for c in chunks][-1] == out.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == ref.stats.new_tokens
@@ -109,8 +123,14 @@ def test_chat_greedy_equals_engine_and_server_default_method(live, client, tiny_
     assert out.model_extra["speculation"]["method"] == "draft"  # the server's default
     assert out.model_extra["speculation"]["gamma"] == 3
 
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
@@ -123,8 +143,14 @@ def test_raw_stream_format_and_stop_strings(live, tiny_engine):
     stop = ref.text[5:7]
     assert stop
     ref_stop = reference(live, tiny_engine, "abcabc", method="pld", gamma=3, max_new_tokens=40, stop=[stop])
-    body = {"model": MODEL, "prompt": "abcabc", "max_tokens": 40, "stop": stop, "stream": True,
-            "speculation": {"method": "pld"}}
+    body = {
+        "model": MODEL,
+        "prompt": "abcabc",
+        "max_tokens": 40,
+        "stop": stop,
+        "stream": True,
+        "speculation": {"method": "pld"},
+    }
     with http.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
@@ -140,8 +166,9 @@ def test_sampling_with_seed_is_reproducible(live, client, tiny_engine):
     kw = dict(model=MODEL, prompt="xyz", max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
-    ref = reference(live, tiny_engine, "xyz", method="draft", gamma=3, max_new_tokens=16, temperature=0.9,
-                    top_p=0.95, seed=7)
+    ref = reference(
+        live, tiny_engine, "xyz", method="draft", gamma=3, max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7
+    )
     assert a == b == ref.text
 
 
@@ -149,16 +176,31 @@ def test_vanishing_temperature_and_top_p_mean_greedy(live, tiny_engine):
     """Below float32's range they used to reach the engine as 0 and give nan probabilities (a 500)."""
     ref = reference(live, tiny_engine, "abc", method="autoregressive", max_new_tokens=8)
     for extra in ({"temperature": 5e-324}, {"temperature": 1.0, "top_p": 5e-324}):
-        r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 8,
-                                                              "speculation": {"method": "autoregressive"}, **extra})
+        r = http.post(
+            f"{live.url}/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "abc",
+                "max_tokens": 8,
+                "speculation": {"method": "autoregressive"},
+                **extra,
+            },
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
 
 
 def test_exact_request_is_plain_decodings_output(live, tiny_engine):
     ref = reference(live, tiny_engine, "abcabcabc", method="autoregressive", max_new_tokens=12)
     for method in ("draft", "tree"):
-        r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "abcabcabc", "max_tokens": 12,
-                                                              "speculation": {"method": method, "exact": True}})
+        r = http.post(
+            f"{live.url}/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "abcabcabc",
+                "max_tokens": 12,
+                "speculation": {"method": method, "exact": True},
+            },
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
 
 
@@ -178,13 +220,18 @@ BAD = [
     ("completions", {"model": 7, "prompt": "hi"}, 400, None, "model"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, None, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, None, "max_tokens"),
-    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 12}, 400, None, "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, 400, None, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400, None, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, 400, None, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, None, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "a" * 600}, 400, "context_length_exceeded", "prompt"),
-    ("completions", {"model": MODEL, "prompt": "a" * 500, "max_tokens": 100}, 400, "context_length_exceeded",
-     "max_tokens"),
+    (
+        "completions",
+        {"model": MODEL, "prompt": "a" * 500, "max_tokens": 100},
+        400,
+        "context_length_exceeded",
+        "max_tokens",
+    ),
     ("completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, 400, None, "temperature"),
     ("completions", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, None, "temperature"),
     ("completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, None, "temperature"),
@@ -196,43 +243,88 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, None, "stop"),
     ("completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, None, "stream"),
     ("completions", {"model": MODEL, "prompt": "hi", "seed": 1.5}, 400, None, "seed"),
-    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "magic"}}, 400, None,
-     "speculation.method"),
+    (
+        "completions",
+        {"model": MODEL, "prompt": "hi", "speculation": {"method": "magic"}},
+        400,
+        None,
+        "speculation.method",
+    ),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"gamma": 0}}, 400, None, "speculation.gamma"),
-    ("completions", {"model": MODEL, "prompt": "hi", "temperature": 0.7, "speculation": {"exact": True}}, 400, None,
-     "speculation.exact"),
+    (
+        "completions",
+        {"model": MODEL, "prompt": "hi", "temperature": 0.7, "speculation": {"exact": True}},
+        400,
+        None,
+        "speculation.exact",
+    ),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"exact": "yes"}}, 400, None, "speculation.exact"),
-    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"gamma": 1000}}, 400, None,
-     "speculation.gamma"),
-    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"draft": True}}, 400, None,
-     "speculation.draft"),
-    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_width": 0}}, 400, None,
-     "speculation.tree_width"),
-    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_width": 17}}, 400, None,
-     "speculation.tree_width"),  # over the server's cap: what can pay
-    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_nodes": 129}}, 400, None,
-     "speculation.tree_nodes"),
-    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"method": "pld", "tree_depth": 2}}, 400, None,
-     "speculation.tree_depth"),
+    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"gamma": 1000}}, 400, None, "speculation.gamma"),
+    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"draft": True}}, 400, None, "speculation.draft"),
+    (
+        "completions",
+        {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_width": 0}},
+        400,
+        None,
+        "speculation.tree_width",
+    ),
+    (
+        "completions",
+        {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_width": 17}},
+        400,
+        None,
+        "speculation.tree_width",
+    ),  # over the server's cap: what can pay
+    (
+        "completions",
+        {"model": MODEL, "prompt": "hi", "speculation": {"method": "tree", "tree_nodes": 129}},
+        400,
+        None,
+        "speculation.tree_nodes",
+    ),
+    (
+        "completions",
+        {"model": MODEL, "prompt": "hi", "speculation": {"method": "pld", "tree_depth": 2}},
+        400,
+        None,
+        "speculation.tree_depth",
+    ),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, None, "messages"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, None, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, None, "messages.0.content"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None,
-     "messages.0.role"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "   "}]}, 400, None,
-     "messages"),
+    (
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        None,
+        "messages.0.role",
+    ),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "   "}]}, 400, None, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, None, "n"),
-    ("chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404,
-     "model_not_found", "model"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a" * 600}]}, 400,
-     "context_length_exceeded", "messages"),
+    (
+        "chat/completions",
+        {"model": "other", "messages": [{"role": "user", "content": "hi"}]},
+        404,
+        "model_not_found",
+        "model",
+    ),
+    (
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a" * 600}]},
+        400,
+        "context_length_exceeded",
+        "messages",
+    ),
 ]
 
 
 @pytest.mark.parametrize("path, body, status, code, param", BAD, ids=[f"{i}" for i in range(len(BAD))])
 def test_bad_input_gets_openai_error_then_server_still_serves(live, path, body, status, code, param):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
         else {"json": body}
+    )
     r = http.post(f"{live.url}/v1/{path}", timeout=60, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -269,15 +361,20 @@ def test_bad_values_get_the_engines_message(live, tiny_engine, fields, kwargs, p
         tiny_engine.stream(kwargs.pop("prompt"), **kwargs)
     r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", **fields}, timeout=60)
     assert r.status_code == 400, r.text
-    assert r.json()["error"] == {"message": str(e.value), "type": "invalid_request_error", "param": param,
-                                 "code": "invalid_value"}
+    assert r.json()["error"] == {
+        "message": str(e.value),
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "invalid_value",
+    }
 
 
 def test_chat_messages_errors_are_the_engines(live, tiny_engine):
     with pytest.raises(SpecDecodeError) as e:
         tiny_engine.stream([{"role": "user", "content": "  "}])
-    r = http.post(f"{live.url}/v1/chat/completions",
-                  json={"model": MODEL, "messages": [{"role": "user", "content": "  "}]})
+    r = http.post(
+        f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "  "}]}
+    )
     assert r.status_code == 400 and r.json()["error"]["message"] == str(e.value)
     assert r.json()["error"]["param"] == "messages"
 
@@ -285,7 +382,8 @@ def test_chat_messages_errors_are_the_engines(live, tiny_engine):
 ROLE_ORDER_TEMPLATE = (  # as templates that check the conversation do (Llama 2's, Mistral's)
     "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def test_a_chat_template_error_and_a_lone_surrogate_are_the_clients_400():
@@ -295,8 +393,12 @@ def test_a_chat_template_error_and_a_lone_surrogate_are_the_clients_400():
     try:
         url = f"{srv.url}/v1/chat/completions"
         for stream in (False, True):
-            body = {"model": MODEL, "max_tokens": 2, "stream": stream,
-                    "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}
+            body = {
+                "model": MODEL,
+                "max_tokens": 2,
+                "stream": stream,
+                "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}],
+            }
             r = http.post(url, json=body, timeout=60)
             assert r.status_code == 400, r.text
             err = r.json()["error"]
@@ -304,17 +406,24 @@ def test_a_chat_template_error_and_a_lone_surrogate_are_the_clients_400():
             assert err["type"] == "invalid_request_error"
         ok = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
         assert http.post(url, json=ok, timeout=60).status_code == 200  # the template itself works
-        raw = (b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
-               b'{"model": "tiny", "max_tokens": 2, "prompt": "a\\udc00"}')
+        raw = (
+            b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            b'{"model": "tiny", "max_tokens": 2, "prompt": "a\\udc00"}',
+        )
         for path, body in zip(("chat/completions", "completions"), raw):
-            r = http.post(f"{srv.url}/v1/{path}", content=body, headers={"content-type": "application/json"},
-                           timeout=60)
+            r = http.post(
+                f"{srv.url}/v1/{path}", content=body, headers={"content-type": "application/json"}, timeout=60
+            )
             assert r.status_code == 400, r.text
             assert "surrogate" in r.json()["error"]["message"]
             assert r.json()["error"]["param"] == ("messages" if path == "chat/completions" else "prompt")
         paired = b'{"model": "tiny", "max_tokens": 2, "prompt": "a\\ud83d\\ude00"}'  # a pair is one character
-        assert http.post(f"{srv.url}/v1/completions", content=paired,
-                          headers={"content-type": "application/json"}, timeout=60).status_code == 200
+        assert (
+            http.post(
+                f"{srv.url}/v1/completions", content=paired, headers={"content-type": "application/json"}, timeout=60
+            ).status_code
+            == 200
+        )
     finally:
         srv.stop()
 
@@ -346,14 +455,36 @@ def test_unsupported_openai_fields_get_a_400(live, path, fields, param):
 
 
 def test_fields_that_ask_for_nothing_are_accepted(live, client):
-    harmless = {"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
-                "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "n": 1, "user": "someone",
-                "store": False, "metadata": {"a": "b"}}
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                         extra_body=harmless)
+    harmless = {
+        "logprobs": False,
+        "top_logprobs": 0,
+        "logit_bias": {},
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "n": 1,
+        "user": "someone",
+        "store": False,
+        "metadata": {"a": "b"},
+    }
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body=harmless
+    )
     assert 1 <= out.usage.completion_tokens <= 3
-    r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": False,
-                                                       "best_of": 1, "logprobs": None, "suffix": None})
+    r = http.post(
+        f"{live.url}/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "hi",
+            "max_tokens": 2,
+            "echo": False,
+            "best_of": 1,
+            "logprobs": None,
+            "suffix": None,
+        },
+    )
     assert r.status_code == 200, r.text
 
 
@@ -380,8 +511,9 @@ def test_a_queued_stream_gets_its_headers_at_once_and_keepalives():
     try:
         ctl.gate.clear()
         results = {}
-        a = _post_in_thread(f"{srv.url}/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 4}, results,
-                            "a")
+        a = _post_in_thread(
+            f"{srv.url}/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 4}, results, "a"
+        )
         wait_for(lambda: srv.worker.busy)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "abc"}], "max_tokens": 6, "stream": True}
         with http.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
@@ -444,8 +576,12 @@ def test_api_key(tiny_engine):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{srv.url}/v1", api_key="nope", max_retries=0).models.list()
         good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
-        assert good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                            max_tokens=3).usage.completion_tokens >= 1
+        assert (
+            good.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3
+            ).usage.completion_tokens
+            >= 1
+        )
         m = metrics(srv.url)
         assert metric(m, "specdecode_requests_total", route="/v1/completions", status="401") == 5
         assert metric(m, "specdecode_requests_total", route="/v1/completions", status="200") == 1
@@ -461,6 +597,7 @@ def test_api_key_under_a_path_prefix(tiny_engine, how):
     if how == "mount":
         from starlette.applications import Starlette
         from starlette.routing import Mount
+
         srv = LiveServer(Starlette(routes=[Mount("/prefix", app=app)]))
         base = f"{srv.url}/prefix"
     else:  # a proxy that strips the prefix before uvicorn; the app is told it through root_path
@@ -492,8 +629,17 @@ def test_parallel_requests_all_get_the_sequential_answer(live, tiny_engine):
         prompt = f"prompt number {i}:"
         chat, stream = i % 2 == 1, i % 4 >= 2
         jobs.append((prompt, chat, stream))
-    refs = [reference(live, tiny_engine, [{"role": "user", "content": p}] if chat else p, method="draft", gamma=3,
-                      max_new_tokens=12).text for p, chat, _ in jobs]
+    refs = [
+        reference(
+            live,
+            tiny_engine,
+            [{"role": "user", "content": p}] if chat else p,
+            method="draft",
+            gamma=3,
+            max_new_tokens=12,
+        ).text
+        for p, chat, _ in jobs
+    ]
 
     def ask(job):
         prompt, chat, stream = job
@@ -565,6 +711,7 @@ def _post_in_thread(url, body, results, key):
             results[key] = http.post(url, json=body, timeout=120)
         except Exception as e:  # noqa: BLE001
             results[key] = e
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -684,8 +831,10 @@ def test_timeouts():
 def test_metrics_move(live):
     live.wait_idle()
     before = metrics(live.url)
-    r = http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "count me", "max_tokens": 10,
-                                                          "speculation": {"method": "draft", "gamma": 3}})
+    r = http.post(
+        f"{live.url}/v1/completions",
+        json={"model": MODEL, "prompt": "count me", "max_tokens": 10, "speculation": {"method": "draft", "gamma": 3}},
+    )
     assert r.status_code == 200
     spec = r.json()["speculation"]
     http.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": ""})
@@ -707,25 +856,36 @@ def test_metrics_move(live):
     assert delta("specdecode_request_latency_seconds_count", endpoint="completions") == 1
     assert metric(after, "specdecode_server_info", model=MODEL, method="draft", gamma="3") == 1
     text = http.get(f"{live.url}/metrics").text
-    for name in ("specdecode_requests_total", "specdecode_prompt_tokens_total", "specdecode_generated_tokens_total",
-                 "specdecode_drafted_tokens_total", "specdecode_accepted_tokens_total",
-                 "specdecode_accepted_by_position_total", "specdecode_time_to_first_token_seconds_bucket",
-                 "specdecode_request_latency_seconds_bucket", "specdecode_queue_depth", "specdecode_worker_busy"):
+    for name in (
+        "specdecode_requests_total",
+        "specdecode_prompt_tokens_total",
+        "specdecode_generated_tokens_total",
+        "specdecode_drafted_tokens_total",
+        "specdecode_accepted_tokens_total",
+        "specdecode_accepted_by_position_total",
+        "specdecode_time_to_first_token_seconds_bucket",
+        "specdecode_request_latency_seconds_bucket",
+        "specdecode_queue_depth",
+        "specdecode_worker_busy",
+    ):
         assert name in text
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("args, match", [
-    (["serve", "--max-queue", "0"], "max-queue"),
-    (["serve", "--timeout", "0"], "timeout"),
-    (["serve", "--gamma", "0"], "gamma"),
-    (["serve", "--port", "70000"], "port"),
-    (["serve", "--max-tokens", "0"], "max-tokens"),
-    (["serve", "--ctx-size", "1"], "ctx-size"),
-    (["serve", "--parallel", "2", "--prefill-chunk", "0"], "prefill-chunk must be at least 1"),
-    (["serve", "--parallel", "2", "--prefill-chunk", "513"], "prefill-chunk must be at most 512"),
-    (["serve", "--target", "somewhere", "--method", "draft"], "draft model"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["serve", "--max-queue", "0"], "max-queue"),
+        (["serve", "--timeout", "0"], "timeout"),
+        (["serve", "--gamma", "0"], "gamma"),
+        (["serve", "--port", "70000"], "port"),
+        (["serve", "--max-tokens", "0"], "max-tokens"),
+        (["serve", "--ctx-size", "1"], "ctx-size"),
+        (["serve", "--parallel", "2", "--prefill-chunk", "0"], "prefill-chunk must be at least 1"),
+        (["serve", "--parallel", "2", "--prefill-chunk", "513"], "prefill-chunk must be at most 512"),
+        (["serve", "--target", "somewhere", "--method", "draft"], "draft model"),
+    ],
+)
 def test_serve_usage_errors(args, match, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -736,17 +896,57 @@ def test_serve_usage_errors(args, match, capsys):
 def test_serve_command_matches_generate(tiny_dirs, capsys):
     """`specdecode serve` in a subprocess: greedy HTTP output equals `specdecode generate --json`."""
     target, draft = tiny_dirs
-    assert main(["generate", "hello", "--target", str(target), "--draft", str(draft), "--method", "draft",
-                 "--gamma", "3", "--max-new-tokens", "16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "hello",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--method",
+                "draft",
+                "--gamma",
+                "3",
+                "--max-new-tokens",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     cli_text = json.loads(capsys.readouterr().out)["text"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECDECODE_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "specdecode", "serve", "--target", str(target), "--draft",
-                             str(draft), "--gamma", "3", "--port", str(port), "--served-model-name", MODEL,
-                             "--max-tokens", "16", "--ctx-size", "100"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdecode",
+            "serve",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--gamma",
+            "3",
+            "--port",
+            str(port),
+            "--served-model-name",
+            MODEL,
+            "--max-tokens",
+            "16",
+            "--ctx-size",
+            "100",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -762,11 +962,13 @@ def test_serve_command_matches_generate(tiny_dirs, capsys):
         out = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0)
         assert out.choices[0].text == cli_text
         head = {"Authorization": f"Bearer {KEY}"}
-        r = http.post(f"{url}/v1/completions", headers=head,
-                       json={"model": MODEL, "prompt": "hello", "max_tokens": 17})  # over --max-tokens
+        r = http.post(
+            f"{url}/v1/completions", headers=head, json={"model": MODEL, "prompt": "hello", "max_tokens": 17}
+        )  # over --max-tokens
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-        r = http.post(f"{url}/v1/completions", headers=head,
-                       json={"model": MODEL, "prompt": "x" * 90, "max_tokens": 16})  # 90 + 16 > --ctx-size 100
+        r = http.post(
+            f"{url}/v1/completions", headers=head, json={"model": MODEL, "prompt": "x" * 90, "max_tokens": 16}
+        )  # 90 + 16 > --ctx-size 100
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         r = http.post(f"{url}/v1/completions", headers=head, json={"model": MODEL, "prompt": "x" * 90})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 10  # the Engine stops at 100
@@ -801,13 +1003,21 @@ def test_openapi_document_is_precise():
     methods = set(comp["Speculation"]["properties"]["method"]["anyOf"][0]["enum"])
     assert methods == set(METHODS) >= {"auto", "autoregressive", "draft", "pld", "tree"}
     assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in comp
-    assert set(doc["paths"]["/v1/chat/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "413", "415",
-                                                                               "503"}
+    assert set(doc["paths"]["/v1/chat/completions"]["post"]["responses"]) == {
+        "200",
+        "400",
+        "401",
+        "404",
+        "413",
+        "415",
+        "503",
+    }
 
 
 @schema.parametrize()
-@hypothesis.settings(max_examples=20, deadline=None, derandomize=True,
-                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.settings(
+    max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(hypothesis.HealthCheck)
+)
 def test_schemathesis(case):
     """No 5xx, responses (JSON and each server-sent event) match the document, invalid data is rejected.
     Not checked: that every schema-valid request succeeds (an all-blank chat, or a prompt the context cannot
@@ -849,6 +1059,7 @@ class OneThreadTokenizer:
                 return fn(*args, **kw)
             finally:
                 self._busy.release()
+
         return call
 
 
@@ -858,6 +1069,7 @@ def test_the_tokenizer_is_never_used_by_two_threads_at_once():
     engine = build_engine(tokenizer=tok)
     srv = LiveServer(create_app(engine, model_id=MODEL, method="pld", gamma=2, max_queue=16))
     try:
+
         def ask(i):
             body = {"model": MODEL, "max_tokens": 12, "stream": i % 2 == 0}
             body.update({"messages": [{"role": "user", "content": f"chat {i}"}]} if i % 3 else {"prompt": f"text {i}"})
@@ -922,6 +1134,7 @@ def test_a_job_taken_but_not_started_at_shutdown_still_ends_with_an_error(monkey
     """The worker took the job out of the queue, then the server began shutting down before the job ran: its
     client gets the shutting-down error, not a stream left open."""
     from specdecode.server.scheduler import Worker
+
     taken, proceed = threading.Event(), threading.Event()
     run = Worker._run
 
@@ -955,6 +1168,7 @@ def test_a_job_taken_but_not_started_at_shutdown_still_ends_with_an_error(monkey
 def test_serve_gives_uvicorn_a_graceful_shutdown_timeout(tiny_dirs, monkeypatch):
     """uvicorn waits for open connections at shutdown without end unless told a timeout."""
     from specdecode.server import app as app_module
+
     configs = []
 
     class Recorder:
@@ -989,6 +1203,7 @@ class _FailingStream(_ControlledStream):
 
             def as_dict(self):
                 return {**stats.as_dict(), "bad": object()}
+
         return Bad()
 
     def __iter__(self):
@@ -1033,10 +1248,18 @@ class _RaisingStream(_ControlledStream):
 ENGINE_FAULTS = [  # (the backend's error, after how many deltas, status, code): its class decides, not its words
     (EngineUnavailable("llama_decode failed with status 1 (3 tokens of a batched pass)"), 2, 503, "engine_unavailable"),
     (EngineUnavailable("the prompt has 5000 tokens"), 1, 503, "engine_unavailable"),
-    (SpecDecodeError("llama_decode failed: a tree pass of 600 tokens exceeds llama.cpp's batch"), 2, 500,
-     "engine_error"),
-    (ContextExceeded("llama.cpp context overflow: 4000 + 200 tokens", param="prompt"), 0, 400,
-     "context_length_exceeded"),
+    (
+        SpecDecodeError("llama_decode failed: a tree pass of 600 tokens exceeds llama.cpp's batch"),
+        2,
+        500,
+        "engine_error",
+    ),
+    (
+        ContextExceeded("llama.cpp context overflow: 4000 + 200 tokens", param="prompt"),
+        0,
+        400,
+        "context_length_exceeded",
+    ),
 ]
 
 
@@ -1071,7 +1294,7 @@ def test_a_request_body_over_the_limit_is_a_413_before_it_is_read():
         r = http.post(url, json=big)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert "2000 bytes" in r.json()["error"]["message"]
-        chunks = (json.dumps(big)[i:i + 500].encode() for i in range(0, 3100, 500))  # chunked: no Content-Length
+        chunks = (json.dumps(big)[i : i + 500].encode() for i in range(0, 3100, 500))  # chunked: no Content-Length
         r = http.post(url, content=chunks, headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert http.post(url, json={**big, "prompt": "x" * 100}).status_code == 200
@@ -1090,8 +1313,14 @@ def test_an_obviously_too_long_prompt_and_a_full_queue_are_refused_before_tokeni
         # no token of the byte tokenizer covers more than 13 characters: 512 tokens cover at most 13,312
         r = http.post(url, json={"model": MODEL, "prompt": "x" * 14000, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        r = http.post(f"{srv.url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
-            {"role": "user", "content": "x" * 7000}, {"role": "user", "content": "y" * 7000}]})
+        r = http.post(
+            f"{srv.url}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "x" * 7000}, {"role": "user", "content": "y" * 7000}],
+            },
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert calls == []
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
@@ -1115,6 +1344,7 @@ def test_an_obviously_too_long_prompt_and_a_full_queue_are_refused_before_tokeni
 
 def test_the_output_history_is_off_by_default_kept_per_api_key_and_never_holds_prompts():
     from specdecode.cli import build_parser
+
     args = build_parser().parse_args(["serve"])
     assert args.history_tokens == 0 and not args.speculation_sources  # off unless the operator enables it
     engine = build_engine(history_tokens=5000)
@@ -1124,8 +1354,12 @@ def test_the_output_history_is_off_by_default_kept_per_api_key_and_never_holds_p
         prompt_ids = engine.encode(prompt)
 
         def ask(key):
-            r = http.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                           json={"model": MODEL, "prompt": prompt, "max_tokens": 12}, timeout=60)
+            r = http.post(
+                f"{srv.url}/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 12},
+                timeout=60,
+            )
             assert r.status_code == 200
             return r.json()
 
@@ -1137,7 +1371,7 @@ def test_the_output_history_is_off_by_default_kept_per_api_key_and_never_holds_p
         assert len(histories) == 2 and len(engine.history.live) == 0  # one per key; the engine's shared one unused
         for h in histories.values():
             stored = h.index.tokens
-            assert stored and not any(stored[i:i + 4] == prompt_ids[:4] for i in range(len(stored)))  # outputs only
+            assert stored and not any(stored[i : i + 4] == prompt_ids[:4] for i in range(len(stored)))  # outputs only
         assert [len(h.live) for h in histories.values()] == [1, 2]  # bob's, then alice's two
     finally:
         srv.stop()
@@ -1200,9 +1434,12 @@ def test_a_running_stream_is_not_stalled_by_big_requests_being_tokenized(own_tok
                 if line.startswith("data: {"):
                     arrivals.append(time.perf_counter())
                 if len(arrivals) == 5 and not threads:
-                    threads = [_post_in_thread(f"{srv.url}/v1/completions", {"model": MODEL, "prompt": big,
-                                                                             "max_tokens": 4}, results, k)
-                               for k in range(3)]
+                    threads = [
+                        _post_in_thread(
+                            f"{srv.url}/v1/completions", {"model": MODEL, "prompt": big, "max_tokens": 4}, results, k
+                        )
+                        for k in range(3)
+                    ]
                 if threads and not any(t.is_alive() for t in threads):
                     break
         for t in threads:

@@ -1,6 +1,7 @@
 """`specdecode loadtest --soak`: the load and fault test in its short form against a launched `serve --parallel 2` on
 tiny GGUF models (loopback, under a minute of load, a SIGTERM and restart halfway), and the checker's criteria on
 hand-made records, each with a negative control (a stream without its terminal event, a 500, a lost request...)."""
+
 import asyncio
 import json
 
@@ -16,6 +17,7 @@ from specdecode.loadtest.soak_check import check_greedy, error_code, judge, mark
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     from tinygguf import write_tiny_gguf
+
     root = tmp_path_factory.mktemp("soak")
     return write_tiny_gguf(root / "t.gguf", 0, hidden=128), write_tiny_gguf(root / "d.gguf", 1)
 
@@ -29,11 +31,40 @@ def test_short_soak_against_a_launched_server(tiny_pair, tmp_path, monkeypatch, 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     target, draft = tiny_pair
     out = tmp_path / "soak"
-    code = main(["loadtest", "--soak", "0.4", "--requests", "300", "--target", str(target), "--draft", str(draft),
-                 "--parallel", "2", "--concurrency", "4", "--threads", "1", "--max-tokens", "16", "--soak-timeout", "8",
-                 "--soak-long-chars", "300", "--ours-args=--max-tokens 24",
-                 "--soak-latency-floor-ms", "1500", "--soak-recheck", "60", "--ready-timeout", "120",
-                 "--out", str(out)])
+    code = main(
+        [
+            "loadtest",
+            "--soak",
+            "0.4",
+            "--requests",
+            "300",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--parallel",
+            "2",
+            "--concurrency",
+            "4",
+            "--threads",
+            "1",
+            "--max-tokens",
+            "16",
+            "--soak-timeout",
+            "8",
+            "--soak-long-chars",
+            "300",
+            "--ours-args=--max-tokens 24",
+            "--soak-latency-floor-ms",
+            "1500",
+            "--soak-recheck",
+            "60",
+            "--ready-timeout",
+            "120",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads((out / "soak.json").read_text())
     criteria, summ = report["criteria"], report["summary"]
     assert code == 0, (out / "soak.md").read_text()
@@ -51,18 +82,43 @@ def test_short_soak_against_a_launched_server(tiny_pair, tmp_path, monkeypatch, 
 
 # -- the checker, on hand-made records ------------------------------------------------------------------------------
 def rec(i, kind="honest", status=200, **kw):
-    base = {"i": i, "kind": kind, "variant": kind, "status": status, "error": None, "text": "abc", "hung_up": False,
-            "done": True, "finish_reason": "length", "spec_finish": None, "stream": True, "error_event": False,
-            "refused": False, "generation": 0, "t_start": float(i), "t_end": i + 0.5, "ttft_s": 0.1,
-            "itl_s": [0.01] * 5, "e2e_s": 0.5}
+    base = {
+        "i": i,
+        "kind": kind,
+        "variant": kind,
+        "status": status,
+        "error": None,
+        "text": "abc",
+        "hung_up": False,
+        "done": True,
+        "finish_reason": "length",
+        "spec_finish": None,
+        "stream": True,
+        "error_event": False,
+        "refused": False,
+        "generation": 0,
+        "t_start": float(i),
+        "t_end": i + 0.5,
+        "ttft_s": 0.1,
+        "itl_s": [0.01] * 5,
+        "e2e_s": 0.5,
+    }
     return {**base, **kw}
 
 
 def soak_out(records, quiet=None, recheck=None, restart=None, idle=None):
     cfg = {"drift": 0.05, "latency_factor": 2.0, "latency_floor_s": 0.0, "minutes": 1, "concurrency": 2}
     quiet = quiet if quiet is not None else [rec(100 + i) for i in range(6)]
-    return {"config": cfg, "records": records, "quiet": quiet, "recheck": recheck or [], "restart": restart,
-            "idle": idle or {}, "server_metrics": [], "model": "m"}
+    return {
+        "config": cfg,
+        "records": records,
+        "quiet": quiet,
+        "recheck": recheck or [],
+        "restart": restart,
+        "idle": idle or {},
+        "server_metrics": [],
+        "model": "m",
+    }
 
 
 def failing(out) -> set[str]:
@@ -76,17 +132,26 @@ def test_a_clean_run_passes_and_each_fault_fails_its_criterion():
     assert "terminal_events" in failing(soak_out(clean + [cut]))
     no_finish = rec(8, finish_reason=None)  # [DONE] without a finish_reason chunk before it
     assert "terminal_events" in failing(soak_out(clean + [no_finish]))
-    error_event = rec(9, error='stream error event: {"message": "bye", "code": "shutting_down"}', done=False,
-                      error_event=True, finish_reason=None)
+    error_event = rec(
+        9,
+        error='stream error event: {"message": "bye", "code": "shutting_down"}',
+        done=False,
+        error_event=True,
+        finish_reason=None,
+    )
     assert failing(soak_out(clean + [error_event])) == set()  # an error event is a terminal event
-    crash = rec(10, status=500,
-                error='HTTP 500: {"error": {"message": "internal server error", "code": "internal_error"}}')
+    crash = rec(
+        10, status=500, error='HTTP 500: {"error": {"message": "internal server error", "code": "internal_error"}}'
+    )
     busy = rec(11, status=503, error='HTTP 503: {"error": {"message": "busy", "code": "queue_full"}}')
     assert error_code(busy) == "queue_full" and error_code(crash) == "internal_error"
     assert failing(soak_out(clean + [busy])) == set()  # a documented 503
     assert "no_5xx" in failing(soak_out(clean + [crash]))
-    assert "no_5xx" in failing(soak_out(clean + [rec(12, error='stream error event: {"code": "internal_error"}',
-                                                     error_event=True, done=False)]))
+    assert "no_5xx" in failing(
+        soak_out(
+            clean + [rec(12, error='stream error event: {"code": "internal_error"}', error_event=True, done=False)]
+        )
+    )
     lost = rec(13, status=None, error="RemoteProtocolError: Server disconnected without sending a response.")
     assert "no_silent_loss" in failing(soak_out(clean + [lost]))
     accepted_malformed = rec(14, kind="malformed")
@@ -129,10 +194,17 @@ def test_the_checker_knows_the_servers_graceful_timeout():
     """An exit inside serve's graceful timeout (the constant uvicorn is given) explains a connection closed unread;
     one just past it does not."""
     from specdecode.server import GRACEFUL_SHUTDOWN_S
+
     unread = rec(9, status=None, error="ReadError: ", done=False, finish_reason=None, t_start=9.9, t_end=10.2)
     for exit_s, loss in ((GRACEFUL_SHUTDOWN_S - 0.5, False), (GRACEFUL_SHUTDOWN_S + 0.5, True)):
-        restart = {"t_sigterm": 10.0, "t_exit": 10.0 + exit_s, "t_ready": 15.0 + exit_s, "exit_code": 0,
-                   "exit_s": exit_s, "down_s": 5.0}
+        restart = {
+            "t_sigterm": 10.0,
+            "t_exit": 10.0 + exit_s,
+            "t_ready": 15.0 + exit_s,
+            "exit_code": 0,
+            "exit_s": exit_s,
+            "down_s": 5.0,
+        }
         assert ("no_silent_loss" in failing(soak_out([unread], restart=restart))) is loss, exit_s
 
 
@@ -145,8 +217,10 @@ def test_greedy_idle_and_latency_criteria():
     assert differs["pass"] is False and differs["cases"][0]["at_char"] == 6
     assert check_greedy([under_load], [{**rec(2), "key": key, "text": "hello there"}], tolerance=1.0)["pass"] is True
     assert check_greedy([under_load], [])["pass"] is None  # nothing compared: not judged
-    idle = {"before": {"rss_mib": 100.0, "gauges": {"specdecode_queue_depth": 0.0}},
-            "after": {"rss_mib": 104.0, "gauges": {"specdecode_queue_depth": 0.0}}}
+    idle = {
+        "before": {"rss_mib": 100.0, "gauges": {"specdecode_queue_depth": 0.0}},
+        "after": {"rss_mib": 104.0, "gauges": {"specdecode_queue_depth": 0.0}},
+    }
     assert failing(soak_out([rec(1)], idle=idle)) == set()
     grown = {**idle, "after": {"rss_mib": 106.0, "gauges": {"specdecode_queue_depth": 0.0}}}
     stuck = {**idle, "after": {"rss_mib": 100.0, "gauges": {"specdecode_queue_depth": 2.0}}}
@@ -185,6 +259,7 @@ def test_partings_are_scored_by_the_target_alone(tiny_pair):
     text, read in one context; near_tie says whether it is within the target's tie tolerance."""
     from specdecode import Engine
     from specdecode.loadtest.soak_ties import first_tokens_apart, score_partings
+
     assert first_tokens_apart([1, 2, 3], [1, 2, 4]) == 2 and first_tokens_apart([1, 2], [1, 2, 3]) is None
     target = str(tiny_pair[0])
     engine = Engine.load(target, None, backend="llama.cpp", with_draft=False, progress=False, threads=1)
@@ -192,8 +267,10 @@ def test_partings_are_scored_by_the_target_alone(tiny_pair):
     a, b = engine.encode_prediction(alone), engine.encode_prediction(under_load)
     j = first_tokens_apart(list(a), list(b))
     assert j is not None
-    for body, prompt_ids in (({"prompt": "def add(a, b):"}, engine.encode("def add(a, b):")),
-                             ({"messages": [{"role": "user", "content": "add"}]}, None)):
+    for body, prompt_ids in (
+        ({"prompt": "def add(a, b):"}, engine.encode("def add(a, b):")),
+        ({"messages": [{"role": "user", "content": "add"}]}, None),
+    ):
         if prompt_ids is None:
             if getattr(engine.encoder, "chat_template", None) is None:
                 continue  # a tokenizer without a chat template: the completions case only
@@ -207,8 +284,12 @@ def test_partings_are_scored_by_the_target_alone(tiny_pair):
     same = score_partings([{"i": 6, "body": {"prompt": "x"}, "alone": alone, "under_load": alone}], target, threads=1)
     assert same["6"]["gap"] is None  # texts that do not part on a token are not scored
     body = {"prompt": "def add(a, b):"}
-    twice = score_partings([{"i": i, "body": body, "alone": alone, "under_load": under_load} for i in (7, 8)] +
-                           [{"i": 9, "body": body, "alone": under_load, "under_load": alone}], target, threads=1)
+    twice = score_partings(
+        [{"i": i, "body": body, "alone": alone, "under_load": under_load} for i in (7, 8)]
+        + [{"i": 9, "body": body, "alone": under_load, "under_load": alone}],
+        target,
+        threads=1,
+    )
     assert twice["7"] == twice["8"] and twice["7"] is not twice["8"]  # scored once, reported for each
     assert twice["9"]["gap"] == pytest.approx(-twice["7"]["gap"], abs=1e-3)  # the other way round: scored again
 
@@ -217,6 +298,7 @@ def test_a_stop_cut_token_is_any_the_text_and_the_stops_allow():
     """The server cuts the text before a stop string, so a shown `:` may have been `:\n\n`; a token past the stop's
     start, or one that does not begin with the shown text, may not."""
     from specdecode.loadtest.soak_ties import cut_by_stop
+
     pieces = [":", ":\n", ":\n\n", ".", ":x", "a:", ":ret", ": return", ":return 1"]
     assert cut_by_stop(":", pieces, ["\n"]) == [0, 1, 2]
     assert cut_by_stop(":", pieces, ["\n", "return"]) == [0, 1, 2, 6, 8]
@@ -228,6 +310,7 @@ def test_a_parting_on_a_stop_cut_token_is_scored_on_the_best_token_the_text_allo
     begins with what is shown and goes on into a stop; without the stop (control) it is the re-encoded token."""
     from specdecode import Engine
     from specdecode.loadtest.soak_ties import cut_by_stop, first_tokens_apart, score_partings
+
     target = str(tiny_pair[0])
     engine = Engine.load(target, None, backend="llama.cpp", with_draft=False, progress=False, threads=1)
     body = {"prompt": "def add(a, b):", "stop": ["\n"]}
@@ -246,8 +329,9 @@ def test_a_parting_on_a_stop_cut_token_is_scored_on_the_best_token_the_text_allo
     assert cut["gap"] == pytest.approx(float(logits[best] - logits[b[j]]), abs=1e-3)
     plain = score_partings([{**pair, "alone_finish": "length"}], target, threads=1)["1"]  # control: not cut
     assert plain["tokens"] == [a[j], b[j]] and "stop_cut" not in plain
-    both = score_partings([{**pair, "alone_finish": "stop", "under_load": alone, "under_load_finish": "stop"}],
-                          target, threads=1)["1"]
+    both = score_partings(
+        [{**pair, "alone_finish": "stop", "under_load": alone, "under_load_finish": "stop"}], target, threads=1
+    )["1"]
     assert both["gap"] is None  # the same text on both sides does not part
 
 
@@ -256,7 +340,9 @@ def fake_transport(events: list[str], status: int = 200):
         async def stream():
             for line in events:
                 yield (line + "\n\n").encode()
+
         return httpx.Response(status, content=stream(), headers={"content-type": "text/event-stream"})
+
     return httpx.MockTransport(handler)
 
 
@@ -271,6 +357,7 @@ def test_the_client_sees_a_stream_without_its_terminal_event():
             body = {"model": "m", "prompt": "p", "stream": True}
             got = await one_request(client, "http://fake", "m", {"id": "a"}, 0, body=body)
             return {**rec(1), **got, "stream": True}
+
     cut = asyncio.run(send([chunk]))
     whole = asyncio.run(send([chunk, final, "data: [DONE]"]))
     assert cut["error"] == "the stream ended without [DONE]" and not cut["done"]
@@ -280,6 +367,7 @@ def test_the_client_sees_a_stream_without_its_terminal_event():
 
 def test_the_mix_covers_every_kind_of_request():
     import random
+
     rng = random.Random(0)
     variants = {honest_body(rng, {"id": "x", "prompt": "p", "chat": False}, "m", 8, {})[0] for _ in range(300)}
     for part in ("chat", "completions", "greedy", "sampled", "stream", "json", "stop", "max_tokens", "prediction"):
@@ -288,9 +376,19 @@ def test_the_mix_covers_every_kind_of_request():
 
     async def kinds():
         async with httpx.AsyncClient(transport=fake_transport([], status=400)) as client:
-            traffic = Traffic(client, "http://fake", "m", seed=1, prompts=[{"id": "x", "prompt": "p"}], max_tokens=4,
-                              long_chars=50, too_long_chars=100, state={})
+            traffic = Traffic(
+                client,
+                "http://fake",
+                "m",
+                seed=1,
+                prompts=[{"id": "x", "prompt": "p"}],
+                max_tokens=4,
+                long_chars=50,
+                too_long_chars=100,
+                state={},
+            )
             return [await traffic.next(kind) for kind in ("honest", "disconnect", "deadline", "oversized", "malformed")]
+
     got = asyncio.run(kinds())
     assert [r["kind"] for r in got] == ["honest", "disconnect", "deadline", "oversized", "malformed"]
     assert all(r["i"] == n + 1 for n, r in enumerate(got))
@@ -302,10 +400,21 @@ def test_the_kinds_of_request_are_a_table_the_weights_name():
     only kinds in the table, and an unknown kind is refused with the known ones, before anything is sent."""
     assert set(KIND_WEIGHTS) == set(Traffic.KINDS) and all(callable(f) for f in Traffic.KINDS.values())
     with pytest.raises(ValueError, match="unknown kind.*honest"):
-        Traffic(None, "http://fake", "m", seed=1, prompts=[], max_tokens=4, long_chars=50, too_long_chars=100,
-                state={}, weights={"honest": 1.0, "_raw": 0.1})
-    traffic = Traffic(None, "http://fake", "m", seed=1, prompts=[], max_tokens=4, long_chars=50, too_long_chars=100,
-                      state={})
+        Traffic(
+            None,
+            "http://fake",
+            "m",
+            seed=1,
+            prompts=[],
+            max_tokens=4,
+            long_chars=50,
+            too_long_chars=100,
+            state={},
+            weights={"honest": 1.0, "_raw": 0.1},
+        )
+    traffic = Traffic(
+        None, "http://fake", "m", seed=1, prompts=[], max_tokens=4, long_chars=50, too_long_chars=100, state={}
+    )
     with pytest.raises(ValueError, match="unknown kind of request '_send'"):
         asyncio.run(traffic.next("_send"))
     assert traffic.sent == 0

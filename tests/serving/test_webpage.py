@@ -1,6 +1,7 @@
 """The web page at GET /, in headless Chromium (the system's, driven by Playwright for Python) against live servers on
 the tiny models: it streams the API's answer with each token coloured by the source the API reports, stops and frees
 the slot, compares with plain decoding, and says what went wrong in words. `-m browser` runs these alone."""
+
 import json
 import os
 import shutil
@@ -17,21 +18,37 @@ from tiny import char_tokenizer
 
 MODEL = "tiny"
 KEY = "sk-page-0123456789"
-INSTALL = ("no headless Chromium: install the system's (Debian: `apt-get install chromium`, or set CHROMIUM to its "
-           "binary) and Playwright for Python (`pip install playwright`; no `playwright install` needed)")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+INSTALL = (
+    "no headless Chromium: install the system's (Debian: `apt-get install chromium`, or set CHROMIUM to its "
+    "binary) and Playwright for Python (`pip install playwright`; no `playwright install` needed)"
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 PREDICTION_BG = "rgb(187, 247, 208)"  # page.css: --src-prediction
 DRAFT_BG = "rgb(191, 219, 254)"  # --src-draft
 
-pytestmark = [pytest.mark.browser, pytest.mark.process, pytest.mark.xdist_group("browser"),
-              pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.process,
+    pytest.mark.xdist_group("browser"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 
 def chromium() -> str | None:
     """The browser binary: $CHROMIUM, else the first Chromium on PATH (never one downloaded at run time)."""
-    for candidate in (os.environ.get("CHROMIUM"), *map(shutil.which, ("chromium", "chromium-browser",
-                                                                      "google-chrome"))):
+    for candidate in (
+        os.environ.get("CHROMIUM"),
+        *map(shutil.which, ("chromium", "chromium-browser", "google-chrome")),
+    ):
         if candidate and os.path.exists(candidate):
             return candidate
     return None
@@ -52,8 +69,12 @@ def browser(tmp_path_factory):
         pytest.skip(INSTALL)
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=binary, args=FLAGS, headless=True,
-            viewport={"width": 1200, "height": 800})
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=binary,
+            args=FLAGS,
+            headless=True,
+            viewport={"width": 1200, "height": 800},
+        )
         yield context
         context.close()
 
@@ -113,8 +134,10 @@ class Tab:
     def tokens(self, where="#conversation .message.assistant:last-of-type") -> list[dict]:
         """The last answer's token spans: token, source, text (a token split by a code fence: its spans joined)."""
         spans = self.page.eval_on_selector_all(
-            f"{where} .tok", "els => els.map(e => ({token: e.dataset.token, source: e.dataset.source, "
-                             "text: e.textContent, bg: getComputedStyle(e).backgroundColor}))")
+            f"{where} .tok",
+            "els => els.map(e => ({token: e.dataset.token, source: e.dataset.source, "
+            "text: e.textContent, bg: getComputedStyle(e).backgroundColor}))",
+        )
         out: dict[int, dict] = {}
         for s in spans:
             t = out.setdefault(int(s["token"]), {**s, "text": ""})
@@ -137,8 +160,12 @@ def tab(browser, live):
 
 def api_stream(url, body, headers=None) -> dict:
     """The API's streamed answer to `body` with per-token sources: text, one entry per token, usage."""
-    r = http.post(f"{url}/v1/chat/completions", headers=headers or {}, timeout=120, json={
-        "model": MODEL, "stream": True, "stream_options": {"include_sources": True}, **body})
+    r = http.post(
+        f"{url}/v1/chat/completions",
+        headers=headers or {},
+        timeout=120,
+        json={"model": MODEL, "stream": True, "stream_options": {"include_sources": True}, **body},
+    )
     assert r.status_code == 200, r.text
     text, tokens, usage = "", {}, None
     for event in r.text.split("\n\n"):
@@ -153,8 +180,13 @@ def api_stream(url, body, headers=None) -> dict:
 
 
 def request(message, method, max_tokens, **extra) -> dict:
-    return {"messages": [{"role": "user", "content": message}], "max_tokens": max_tokens, "temperature": 0,
-            "speculation": {"method": method}, **extra}
+    return {
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "speculation": {"method": method},
+        **extra,
+    }
 
 
 def metric(url, name, **labels) -> float:
@@ -231,6 +263,7 @@ def test_stop_ends_the_stream_and_frees_the_slot(browser, make_engine, _module_c
     def slow(*args, **kwargs):  # a pass the page can be stopped in the middle of
         time.sleep(0.05)
         return real(*args, **kwargs)
+
     srv.app.state.engine.target.forward = slow
     tab = Tab(browser, srv.url + "/")
     try:
@@ -311,13 +344,31 @@ def test_a_4xx_is_shown_and_the_page_keeps_working(tab):
 def test_a_server_failure_or_a_dropped_stream_is_said_in_words(tab, how):
     def answer(route):
         if how == "500":
-            route.fulfill(status=500, content_type="application/json", body=json.dumps(
-                {"error": {"message": "internal server error", "type": "server_error", "code": "internal_error"}}))
+            route.fulfill(
+                status=500,
+                content_type="application/json",
+                body=json.dumps(
+                    {"error": {"message": "internal server error", "type": "server_error", "code": "internal_error"}}
+                ),
+            )
         else:  # a stream that stops before [DONE]
-            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL, "choices": [
-                {"index": 0, "delta": {"content": "par"}, "sources": [
-                    {"token": 0, "text": "par", "source": "target", "step": 1, "drafted": 0, "accepted": 0}]}]}
+            chunk = {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": "par"},
+                        "sources": [
+                            {"token": 0, "text": "par", "source": "target", "step": 1, "drafted": 0, "accepted": 0}
+                        ],
+                    }
+                ],
+            }
             route.fulfill(status=200, content_type="text/event-stream", body=f"data: {json.dumps(chunk)}\n\n")
+
     tab.page.route("**/v1/chat/completions", answer)
     tab.send("hi")
     error = tab.text("#error")
@@ -365,7 +416,8 @@ def test_code_blocks_are_rendered_as_code_with_a_copy_button(tab, live):
     assert tab.page.inner_text("#made figure.code figcaption span") == "py"
     assert tab.page.is_visible("#made figure.code button.copy")
     assert tab.page.evaluate("[...document.querySelectorAll('#made .tok')].map(e => e.textContent).join('')") == (
-        "Here:\n```py\nx = 1\n```\ndone")
+        "Here:\n```py\nx = 1\n```\ndone"
+    )
     tokens = tab.page.evaluate("[...new Set([...document.querySelectorAll('#made .tok')].map(e => e.dataset.token))]")
     assert tokens == [str(i) for i in range(6)]  # every token has its element, a fence's hidden ones too
 
@@ -373,6 +425,7 @@ def test_code_blocks_are_rendered_as_code_with_a_copy_button(tab, live):
 def test_the_page_works_under_a_path_prefix(browser, live, make_engine, _module_cache):
     from starlette.applications import Starlette
     from starlette.routing import Mount
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDECODE_CACHE", str(_module_cache))
         app = create_app(make_engine(0, 0, char_tokenizer()), model_id=MODEL, method="draft", gamma=3)

@@ -1,6 +1,7 @@
 """Per-token sources in streams (stream_options.include_sources): each chunk's entries add up to its text, every token
 of the answer has its entries, in order, and their sources add up to the generation's own counts; for every method,
 greedy and sampled, one generation at a time and with batch slots; clients that do not ask see nothing new."""
+
 import json
 import re
 from collections import Counter
@@ -41,14 +42,16 @@ def batched(tmp_path_factory, _module_cache):
     from specdecode.slots import Slots
     from tiny import byte_tokenizer
     from tinygguf import write_tiny_gguf
+
     gguf = write_tiny_gguf(tmp_path_factory.mktemp("sources") / "tiny.gguf", 0, hidden=128)
     tok = byte_tokenizer()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDECODE_CACHE", str(_module_cache))
         engine = Engine(LlamaLM(gguf, threads=1), tok, LlamaLM(gguf, threads=1), tok)
         engine.progress = False
-        srv = LiveServer(create_app(engine, model_id=MODEL, method="draft", gamma=3, show_sources=True,
-                                    slots=Slots(engine, 2)))
+        srv = LiveServer(
+            create_app(engine, model_id=MODEL, method="draft", gamma=3, show_sources=True, slots=Slots(engine, 2))
+        )
         yield srv
         srv.stop()
 
@@ -81,8 +84,9 @@ def check(out: dict) -> list[dict]:
         assert "".join(e["text"] for e in entries or []) == text  # the entries cut the chunk's text exactly
         for e in entries or []:
             if tokens and tokens[-1]["token"] == e["token"]:  # a token two chunks share
-                assert {k: v for k, v in e.items() if k != "text"} == {k: v for k, v in tokens[-1].items()
-                                                                       if k != "text"}
+                assert {k: v for k, v in e.items() if k != "text"} == {
+                    k: v for k, v in tokens[-1].items() if k != "text"
+                }
                 tokens[-1]["text"] += e["text"]
             else:
                 tokens.append(dict(e))
@@ -114,8 +118,14 @@ def check(out: dict) -> list[dict]:
 @pytest.mark.parametrize("server", ["alone", "batched"])
 def test_sources_add_up_to_the_answers_tokens(request, server, method, temperature):
     srv = request.getfixturevalue(server)
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 48, "temperature": temperature,
-            "seed": 7, "speculation": {"method": method}, "stream_options": {"include_sources": True}}
+    body = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 48,
+        "temperature": temperature,
+        "seed": 7,
+        "speculation": {"method": method},
+        "stream_options": {"include_sources": True},
+    }
     out = stream(srv.url, body)
     tokens = check(out)
     sources = {t["source"] for t in tokens}
@@ -140,16 +150,23 @@ def test_a_stop_string_and_split_characters_keep_the_entries_aligned(alone, endp
     key = "prompt" if endpoint == "completions" else "messages"
     prompt = "héllo wörld ünïcödé " * 2
     value = prompt if endpoint == "completions" else [{"role": "user", "content": prompt}]
-    body = {key: value, "max_tokens": 64, "speculation": {"method": "draft"},
-            "stream_options": {"include_sources": True}}
+    body = {
+        key: value,
+        "max_tokens": 64,
+        "speculation": {"method": "draft"},
+        "stream_options": {"include_sources": True},
+    }
     whole = stream(alone.url, body, endpoint)
     check(whole)
     assert any(t["text"] == "" for t in check(whole)[:-1])  # a character's first byte: a token with no text
-    ascii_run = next(i for i in range(10, len(whole["text"]) - 3) if whole["text"][i:i + 3].isascii()
-                     and whole["text"][i:i + 3].isprintable())
-    stop = whole["text"][ascii_run:ascii_run + 3]
+    ascii_run = next(
+        i
+        for i in range(10, len(whole["text"]) - 3)
+        if whole["text"][i : i + 3].isascii() and whole["text"][i : i + 3].isprintable()
+    )
+    stop = whole["text"][ascii_run : ascii_run + 3]
     cut = stream(alone.url, dict(body, stop=stop), endpoint)
-    assert cut["text"] == whole["text"][:whole["text"].index(stop)]
+    assert cut["text"] == whole["text"][: whole["text"].index(stop)]
     check(cut)
 
 
@@ -158,8 +175,9 @@ def test_an_earlier_output_is_lookup_unless_the_operator_shows_sources(make_engi
     the server shows sources (--speculation-sources), as `speculation.sources` is hidden then too."""
     seen = {}
     for show in (False, True):
-        srv = LiveServer(create_app(make_engine(0, None, history_tokens=4096), model_id=MODEL, method="lookup",
-                                    show_sources=show))
+        srv = LiveServer(
+            create_app(make_engine(0, None, history_tokens=4096), model_id=MODEL, method="lookup", show_sources=show)
+        )
         try:
             body = {"prompt": "zq", "max_tokens": 40, "stream_options": {"include_sources": True}}
             stream(srv.url, body, "completions")
@@ -173,17 +191,28 @@ def test_an_earlier_output_is_lookup_unless_the_operator_shows_sources(make_engi
 
 def test_the_official_client_streams_with_sources(alone):
     client = openai.OpenAI(base_url=f"{alone.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=16, stream=True,
-        stream_options={"include_usage": True, "include_sources": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True, "include_sources": True},
+        )
+    )
     entries = [e for c in chunks for choice in c.choices for e in (choice.model_extra.get("sources") or [])]
-    assert "".join(e["text"] for e in entries) == "".join(c.choices[0].delta.content or "" for c in chunks
-                                                          if c.choices)
+    assert "".join(e["text"] for e in entries) == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens == len({e["token"] for e in entries})
 
 
 def test_include_sources_must_be_a_boolean(alone):
-    r = http.post(f"{alone.url}/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
-        "stream_options": {"include_sources": "yes"}})
+    r = http.post(
+        f"{alone.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"include_sources": "yes"},
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_sources"

@@ -1,4 +1,5 @@
 """The benchmark harness end to end on tiny models, plus its arithmetic on known numbers."""
+
 import json
 
 import pytest
@@ -19,15 +20,17 @@ from specdecode.errors import SpecDecodeError
 @pytest.fixture
 def prompt_file(tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "def add(a, b):", "category": "code"}\n\n'
-                 '{"turns": ["Say hi.", "again"], "category": "chat"}\n'
-                 '{"prompt": "abcabcabc", "category": "code"}\n')
+    f.write_text(
+        '{"prompt": "def add(a, b):", "category": "code"}\n\n'
+        '{"turns": ["Say hi.", "again"], "category": "chat"}\n'
+        '{"prompt": "abcabcabc", "category": "code"}\n'
+    )
     return f
 
 
 def test_bound_formula_on_known_values():
     # Leviathan et al. 2023, Thm 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1))
-    assert analytic_bound(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))
+    assert analytic_bound(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
     assert analytic_bound(0.0, 3, 0.0) == pytest.approx(1.0)
     assert analytic_bound(1.0, 4, 0.25) == pytest.approx(5 / 2)
     assert analytic_bound(0.5, 1, 1.0) == pytest.approx(1.5 / 2)
@@ -38,10 +41,25 @@ def test_bound_formula_on_known_values():
 
 
 def _row(pid, method, tokens, wall, **kw):
-    base = dict(prompt_id=pid, category=None, method=method, token_ids=list(range(tokens)), new_tokens=tokens,
-                wall_s=wall, tokens_per_second=tokens / wall, target_forwards=None, drafted=None, accepted=None,
-                rejections=None, mean_accepted_tokens=None, acceptance_rate=None, accepted_per_position=None,
-                drafted_per_position=None, draft_s=None, verify_s=None)
+    base = dict(
+        prompt_id=pid,
+        category=None,
+        method=method,
+        token_ids=list(range(tokens)),
+        new_tokens=tokens,
+        wall_s=wall,
+        tokens_per_second=tokens / wall,
+        target_forwards=None,
+        drafted=None,
+        accepted=None,
+        rejections=None,
+        mean_accepted_tokens=None,
+        acceptance_rate=None,
+        accepted_per_position=None,
+        drafted_per_position=None,
+        draft_s=None,
+        verify_s=None,
+    )
     base.update(kw)
     return base
 
@@ -51,10 +69,34 @@ def test_speedup_arithmetic_on_known_timings():
         _row("a", "autoregressive", 100, 10.0, target_forwards=100, verify_s=10.0, draft_s=0.0),
         _row("b", "autoregressive", 100, 30.0, target_forwards=100, verify_s=30.0, draft_s=0.0),
         # draft: 200 tokens in 20 s -> 10 tok/s vs 200/40 = 5 tok/s -> 2.0x
-        _row("a", "draft", 100, 5.0, target_forwards=40, drafted=120, accepted=60, rejections=30, verify_s=4.0,
-             draft_s=1.2, accepted_per_position=[30, 20, 10], drafted_per_position=[40, 40, 40]),
-        _row("b", "draft", 100, 15.0, target_forwards=40, drafted=120, accepted=60, rejections=30, verify_s=12.0,
-             draft_s=3.6, accepted_per_position=[30, 20, 10], drafted_per_position=[40, 40, 40]),
+        _row(
+            "a",
+            "draft",
+            100,
+            5.0,
+            target_forwards=40,
+            drafted=120,
+            accepted=60,
+            rejections=30,
+            verify_s=4.0,
+            draft_s=1.2,
+            accepted_per_position=[30, 20, 10],
+            drafted_per_position=[40, 40, 40],
+        ),
+        _row(
+            "b",
+            "draft",
+            100,
+            15.0,
+            target_forwards=40,
+            drafted=120,
+            accepted=60,
+            rejections=30,
+            verify_s=12.0,
+            draft_s=3.6,
+            accepted_per_position=[30, 20, 10],
+            drafted_per_position=[40, 40, 40],
+        ),
     ]
     res = summarize(rows, ["autoregressive", "draft"], gamma=3, greedy=True, config={})["methods"]
     assert res["autoregressive"]["tokens_per_second"] == pytest.approx(5.0)
@@ -69,7 +111,8 @@ def test_speedup_arithmetic_on_known_timings():
     bound = analytic_bound(120 / 180, 3, 4.8 / 240 / ar_step)
     assert d["analytic_bound"] == pytest.approx(bound) and d["efficiency"] == pytest.approx(2.0 / bound)
     assert d["cost_model_bound"] == pytest.approx(
-        cost_model_bound(120 / 180, 3, 4.8 / 240 / ar_step, 16.0 / 80 / ar_step))
+        cost_model_bound(120 / 180, 3, 4.8 / 240 / ar_step, 16.0 / 80 / ar_step)
+    )
     assert d["acceptance_by_position"] == pytest.approx([0.75, 0.5, 0.25])
     assert d["greedy_agreement"] == 1.0
 
@@ -81,10 +124,36 @@ def test_prefill_and_decode_arithmetic_on_known_timings():
         _row("a", "autoregressive", 11, 2.0, category="x", ttft_s=1.0),
         _row("b", "autoregressive", 21, 4.0, category="y", ttft_s=2.0),
         # auto: a's runs in its own plain step (0.1 s), b's fall back on the measured 1-token pass (0.25 s)
-        _row("a", "auto", 11, 1.5, category="x", ttft_s=1.0, target_forwards=5, tree_depth=0, expected_tokens=6.0,
-             planned_passes=3, modelled_s=0.3, plain_step_s=0.1, strategies={"plain": 2, "lookup": 3}),
-        _row("b", "auto", 21, 3.0, category="y", ttft_s=2.0, target_forwards=10, tree_depth=0, expected_tokens=12.0,
-             planned_passes=6, modelled_s=0.5, plain_step_s=None, strategies={"draft": 10}),
+        _row(
+            "a",
+            "auto",
+            11,
+            1.5,
+            category="x",
+            ttft_s=1.0,
+            target_forwards=5,
+            tree_depth=0,
+            expected_tokens=6.0,
+            planned_passes=3,
+            modelled_s=0.3,
+            plain_step_s=0.1,
+            strategies={"plain": 2, "lookup": 3},
+        ),
+        _row(
+            "b",
+            "auto",
+            21,
+            3.0,
+            category="y",
+            ttft_s=2.0,
+            target_forwards=10,
+            tree_depth=0,
+            expected_tokens=12.0,
+            planned_passes=6,
+            modelled_s=0.5,
+            plain_step_s=None,
+            strategies={"draft": 10},
+        ),
         _row("a", "llama.cpp", 11, 1.0, category="x", ttft_s=0.5),
         _row("b", "llama.cpp", 21, 2.0, category="y", ttft_s=1.0),
         _row("a", "hf-assisted", 11, 1.0, category="x", ttft_s=None),
@@ -115,9 +184,21 @@ def test_prefill_and_decode_arithmetic_on_known_timings():
     assert x["strategies"] == {"plain": 2, "lookup": 3} and y["strategies"] == {"draft": 10}
     assert res["hf-assisted"]["by_category"]["x"]["decode_tokens_per_second"] is None
     assert "mean_accepted_tokens" not in res["llama.cpp"]["by_category"]["x"]  # a peer has no target passes of ours
-    text = report({"config": {"prompts": 2, "max_new_tokens": 20, "gamma": 4, "temperature": 0.0, "device": "cpu",
-                              "dtype": "F32", "torch_threads": 1},
-                   "methods": res, "prompts": [{**r, "mean_accepted_tokens": None} for r in rows]})
+    text = report(
+        {
+            "config": {
+                "prompts": 2,
+                "max_new_tokens": 20,
+                "gamma": 4,
+                "temperature": 0.0,
+                "device": "cpu",
+                "dtype": "F32",
+                "torch_threads": 1,
+            },
+            "methods": res,
+            "prompts": [{**r, "mean_accepted_tokens": None} for r in rows],
+        }
+    )
     assert "## Prefill and decoding" in text and "### Prefill and decoding by category" in text
     assert "| auto | 1.500 | 20.00 | 7.11 | 2.00x | 1.33x | 0.67x | 1.00x |" in text
     assert "| x | auto | 1.000 | 20.00 | 7.33 | 2.00x | 1.33x | 0.67x | 1.00x |" in text
@@ -133,16 +214,40 @@ def test_prefill_and_decode_arithmetic_on_known_timings():
 def test_bench_end_to_end_on_tiny_models(tiny_dirs, prompt_file, tmp_path, capsys):
     target, draft = tiny_dirs
     out = tmp_path / "out"
-    code = main(["bench", "--prompts", str(prompt_file), "--methods", "draft,pld,hf-assisted", "--gamma", "3",
-                 "--max-new-tokens", "16", "--target", str(target), "--draft", str(draft), "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "--prompts",
+            str(prompt_file),
+            "--methods",
+            "draft,pld,hf-assisted",
+            "--gamma",
+            "3",
+            "--max-new-tokens",
+            "16",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     assert "speedup" in capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"config", "methods", "prompts"}
     assert list(results["methods"]) == ["autoregressive", "draft", "pld", "hf-assisted"]
     for name, m in results["methods"].items():
-        for key in ("tokens_per_second", "speedup", "mean_accepted_tokens", "acceptance_rate", "analytic_bound",
-                    "efficiency", "greedy_agreement"):
+        for key in (
+            "tokens_per_second",
+            "speedup",
+            "mean_accepted_tokens",
+            "acceptance_rate",
+            "analytic_bound",
+            "efficiency",
+            "greedy_agreement",
+        ):
             assert key in m
         assert m["tokens_per_second"] > 0
         assert set(m["by_category"]) == {"chat", "code"}
@@ -152,8 +257,11 @@ def test_bench_end_to_end_on_tiny_models(tiny_dirs, prompt_file, tmp_path, capsy
                 assert key in c
         if name != "hf-assisted":  # ours stream: a first token and the decoding after it
             assert 0 < m["ttft_s"] and m["decode_tokens_per_second"] > 0 and m["decode_speedup"] > 0
-            assert all(r["ttft_s"] is not None and r["ttft_s"] <= r["wall_s"]
-                       for r in results["prompts"] if r["method"] == name)
+            assert all(
+                r["ttft_s"] is not None and r["ttft_s"] <= r["wall_s"]
+                for r in results["prompts"]
+                if r["method"] == name
+            )
     assert results["methods"]["autoregressive"]["speedup"] == 1.0
     assert results["methods"]["draft"]["greedy_agreement"] == 1.0  # lossless greedy
     assert results["methods"]["pld"]["greedy_agreement"] == 1.0
@@ -163,9 +271,20 @@ def test_bench_end_to_end_on_tiny_models(tiny_dirs, prompt_file, tmp_path, capsy
     assert results["methods"]["draft"]["analytic_bound"] > 0
     assert len(results["prompts"]) == 3 * 4
     # interleaved prompt by prompt, each prompt's round starting one method later
-    assert [r["method"] for r in results["prompts"]] == ["autoregressive", "draft", "pld", "hf-assisted",
-                                                         "draft", "pld", "hf-assisted", "autoregressive",
-                                                         "pld", "hf-assisted", "autoregressive", "draft"]
+    assert [r["method"] for r in results["prompts"]] == [
+        "autoregressive",
+        "draft",
+        "pld",
+        "hf-assisted",
+        "draft",
+        "pld",
+        "hf-assisted",
+        "autoregressive",
+        "pld",
+        "hf-assisted",
+        "autoregressive",
+        "draft",
+    ]
     report = (out / "report.md").read_text()
     assert "| draft |" in report and "Speedup by category" in report
     assert "## Prefill and decoding" in report and "| chat | draft |" in report
@@ -179,13 +298,33 @@ def test_bench_reuses_what_reads_no_prediction(tiny_dirs, tmp_path, capsys):
     marked reused); our methods run both (plain decoding too: with --route a prediction can change its engine)."""
     target, draft = tiny_dirs
     prompts = tmp_path / "edits.jsonl"
-    rows = [{"task_id": "e1", "prompt": "def add(a, b):", "category": "edit", "prediction": "    return a + b\n"},
-            {"task_id": "e2", "prompt": "def sub(a, b):", "category": "edit"},
-            {"task_id": "e1-none", "prompt": "def add(a, b):", "category": "edit"}]
+    rows = [
+        {"task_id": "e1", "prompt": "def add(a, b):", "category": "edit", "prediction": "    return a + b\n"},
+        {"task_id": "e2", "prompt": "def sub(a, b):", "category": "edit"},
+        {"task_id": "e1-none", "prompt": "def add(a, b):", "category": "edit"},
+    ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    assert main(["bench", "--prompts", str(prompts), "--methods", "pld,hf-assisted", "--max-new-tokens", "8",
-                 "--target", str(target), "--draft", str(draft), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "pld,hf-assisted",
+                "--max-new-tokens",
+                "8",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     by = {(r["prompt_id"], r["method"]): r for r in results["prompts"]}
     m = "hf-assisted"
@@ -199,8 +338,28 @@ def test_bench_reuses_what_reads_no_prediction(tiny_dirs, tmp_path, capsys):
     assert list(dict.fromkeys(r["prompt_id"] for r in results["prompts"])) == ["e1", "e1-none", "e2"]
     # control: sampled, nothing is reused (a second draw is a new measurement)
     out2 = tmp_path / "out2"
-    assert main(["bench", "--prompts", str(prompts), "--methods", "pld", "--max-new-tokens", "8", "--temperature",
-                 "0.7", "--target", str(target), "--draft", str(draft), "--out", str(out2)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "pld",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0.7",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--out",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     sampled = json.loads((out2 / "results.json").read_text())["prompts"]
     assert not any(r.get("reused") for r in sampled)
     assert list(dict.fromkeys(r["prompt_id"] for r in sampled)) == ["e1", "e2", "e1-none"]  # none reused: file order
@@ -209,9 +368,27 @@ def test_bench_reuses_what_reads_no_prediction(tiny_dirs, tmp_path, capsys):
 def test_bench_tree_method(tiny_dirs, prompt_file, tmp_path, capsys):
     target, draft = tiny_dirs
     out = tmp_path / "out"
-    code = main(["bench", "--prompts", str(prompt_file), "--methods", "draft,tree", "--gamma", "3",
-                 "--tree-width", "2", "--max-new-tokens", "12", "--target", str(target), "--draft", str(draft),
-                 "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "--prompts",
+            str(prompt_file),
+            "--methods",
+            "draft,tree",
+            "--gamma",
+            "3",
+            "--tree-width",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     tree = results["methods"]["tree"]
@@ -220,8 +397,24 @@ def test_bench_tree_method(tiny_dirs, prompt_file, tmp_path, capsys):
     assert tree["analytic_bound"] is None  # the chain bound does not apply to trees
     assert results["config"]["tree"] == {"tree_width": 2} and results["config"]["pass_costs"]["target"]
     assert "## Token tree" in (out / "report.md").read_text()
-    assert main(["bench", "--prompts", str(prompt_file), "--methods", "draft", "--tree-depth", "2",
-                 "--target", str(target), "--draft", str(draft)]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompt_file),
+                "--methods",
+                "draft",
+                "--tree-depth",
+                "2",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+            ]
+        )
+        == 2
+    )
 
 
 def test_prompt_file_errors(tmp_path):
@@ -263,6 +456,7 @@ def test_cli_bench_bad_input_exit_2(tmp_path, capsys):
 
 def test_shared_datasets_parse():
     from pathlib import Path
+
     data = Path(__file__).resolve().parents[3] / "shared" / "data"
     if not data.is_dir():
         pytest.skip("../shared/data is not beside this checkout")
@@ -276,14 +470,37 @@ def test_bench_llama_cpp_peer_prefill_and_decode(tmp_path, capsys):
     """The llama.cpp peer's first-token time, and every method's ratios against it, on tiny GGUF models."""
     pytest.importorskip("llama_cpp", reason="the llama.cpp peer needs llama-cpp-python (not installed)")
     from tinygguf import write_tiny_gguf
+
     target, draft = write_tiny_gguf(tmp_path / "target.gguf", 0), write_tiny_gguf(tmp_path / "draft.gguf", 1)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def add(a, b):", "category": "code"}\n'
-                       '{"prompt": "abcabcabc abcabcabc", "category": "text"}\n')
+    prompts.write_text(
+        '{"prompt": "def add(a, b):", "category": "code"}\n{"prompt": "abcabcabc abcabcabc", "category": "text"}\n'
+    )
     out = tmp_path / "out"
-    assert main(["bench", "--prompts", str(prompts), "--methods", "autoregressive,auto,llama.cpp", "--threads", "1",
-                 "--max-new-tokens", "12", "--target", str(target), "--draft", str(draft), "--backend", "llama.cpp",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "autoregressive,auto,llama.cpp",
+                "--threads",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--backend",
+                "llama.cpp",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     results = json.loads((out / "results.json").read_text())
     peer_rows = [r for r in results["prompts"] if r["method"] == "llama.cpp"]
@@ -302,6 +519,7 @@ def test_bench_llama_cpp_peer_prefill_and_decode(tmp_path, capsys):
 def _devset_module():
     import importlib.util
     from pathlib import Path
+
     path = Path(__file__).resolve().parents[2] / "scripts" / "longprompt_devset.py"
     spec = importlib.util.spec_from_file_location("longprompt_devset", path)
     mod = importlib.util.module_from_spec(spec)
@@ -313,18 +531,26 @@ def _fake_site_packages(root):
     """Two licensed distributions (long READMEs, docs, a source file of 60-200 lines) and one without a
     licence, whose texts must never be used."""
     import textwrap
-    words = ("the parser reads each record from the stream and checks its fields before it hands them to the "
-             "writer, which keeps a buffer of rows and flushes it when the buffer is full or the stream ends")
+
+    words = (
+        "the parser reads each record from the stream and checks its fields before it hands them to the "
+        "writer, which keeps a buffer of rows and flushes it when the buffer is full or the stream ends"
+    )
 
     def prose(name, n):
         paras = [f"# {name}\n\n{name} is a small library for reading and writing tabular records."]
         for i in range(n):
-            paras.append((f"## Section {i}\n\n" if i % 3 == 0 else "")
-                         + f"Paragraph {i} of {name}: " + " ".join([words] * 3) + f". Call `{name}_open()` to start.")
+            paras.append(
+                (f"## Section {i}\n\n" if i % 3 == 0 else "")
+                + f"Paragraph {i} of {name}: "
+                + " ".join([words] * 3)
+                + f". Call `{name}_open()` to start."
+            )
         return "\n\n".join(paras) + "\n\nInstall it with `pip install " + name + "`.\n"
 
     def source(name):
-        funcs = "\n\n".join(textwrap.dedent(f"""\
+        funcs = "\n\n".join(
+            textwrap.dedent(f"""\
             def step_{i}(rows, limit):
                 total = 0
                 for row in rows:
@@ -333,24 +559,35 @@ def _fake_site_packages(root):
                     else:
                         total -= 1
                 return "%s: %d" % ("{name}", total)
-            """) for i in range(16))
+            """)
+            for i in range(16)
+        )
         return f'"""The {name} helpers."""\nimport os\n\n\n{funcs}'
 
-    dists = [("tabkit", "1.0", "License-Expression: MIT\n"),
-             ("rowlib", "2.1", "Classifier: License :: OSI Approved :: BSD License\n"),
-             ("mystery", "0.1", "License: UNKNOWN\n")]
+    dists = [
+        ("tabkit", "1.0", "License-Expression: MIT\n"),
+        ("rowlib", "2.1", "Classifier: License :: OSI Approved :: BSD License\n"),
+        ("mystery", "0.1", "License: UNKNOWN\n"),
+    ]
     for name, version, lic in dists:
         info = root / f"{name}-{version}.dist-info"
         (root / name / "docs").mkdir(parents=True)
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{lic}"
-                                       f"Description-Content-Type: text/markdown\n\n{prose(name, 24)}")
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{lic}"
+            f"Description-Content-Type: text/markdown\n\n{prose(name, 24)}"
+        )
         (root / name / "README.md").write_text(prose(name + " guide", 30))
         (root / name / "docs" / "usage.rst").write_text(prose(name + " usage", 30))
         (root / name / "core.py").write_text(source(name))
         (root / name / "LICENSE.md").write_text("Permission is hereby granted " * 400)
-        files = [f"{name}/README.md", f"{name}/docs/usage.rst", f"{name}/core.py", f"{name}/LICENSE.md",
-                 f"{info.name}/METADATA"]
+        files = [
+            f"{name}/README.md",
+            f"{name}/docs/usage.rst",
+            f"{name}/core.py",
+            f"{name}/LICENSE.md",
+            f"{info.name}/METADATA",
+        ]
         (info / "RECORD").write_text("".join(f"{f},sha256=x,1\n" for f in files))
     return root
 
@@ -383,6 +620,7 @@ def test_longprompt_devset_generator(tmp_path, capsys):
     assert again.read_text() == out.read_text()
     # the default output goes to the specdecode cache (SPECDECODE_CACHE in the tests)
     from specdecode.backends import cache_dir
+
     assert gen.default_out() == cache_dir() / "devset" / "longprompt.jsonl"
 
 
@@ -396,6 +634,7 @@ def test_llama_cpp_peer_runs_in_a_process_of_its_own(tmp_path):
     from specdecode.bench.peers import LlamaPeer
     from specdecode.errors import SpecDecodeError
     from tinygguf import write_tiny_gguf
+
     target = write_tiny_gguf(tmp_path / "target.gguf", 0)
     lm = SimpleNamespace(gguf_path=target, max_length=256, threads=1, repack=True)
     peer = LlamaPeer(SimpleNamespace(target=lm, eos_ids=set()), pld=False, log_dir=tmp_path / "logs")
@@ -421,14 +660,20 @@ def test_llama_cpp_peer_runs_in_a_process_of_its_own(tmp_path):
     with pytest.raises(SpecDecodeError, match="peer failed"):  # a file llama.cpp cannot load
         bad = tmp_path / "bad.gguf"
         bad.write_bytes(b"GGUF" + b"\0" * 64)
-        LlamaPeer(SimpleNamespace(target=SimpleNamespace(gguf_path=bad, max_length=256, threads=1, repack=True),
-                                  eos_ids=set()), pld=False, log_dir=tmp_path / "logs")
+        LlamaPeer(
+            SimpleNamespace(
+                target=SimpleNamespace(gguf_path=bad, max_length=256, threads=1, repack=True), eos_ids=set()
+            ),
+            pld=False,
+            log_dir=tmp_path / "logs",
+        )
 
 
 def test_copy_bound_on_known_pass_costs():
     """A perfect copy takes, at each token's context, the timed pass size that costs least per token."""
     from specdecode.bench.bound import copied_share, copy_bound
     from specdecode.planning.costs import CostModel
+
     flat = CostModel({1: 0.04, 16: 0.16, 32: 0.64})  # 16 tokens for 4 plain steps: 0.01 s a token
     assert copy_bound(flat, 100, 11) == pytest.approx(10 / (10 * 0.01))
     assert copy_bound(CostModel({1: 0.04, 2: 0.09}), 100, 5) == pytest.approx(25.0)  # no bigger pass pays: plain
@@ -441,17 +686,40 @@ def test_copy_bound_on_known_pass_costs():
 def test_bench_reports_copies_against_their_bound(tiny_dirs, tmp_path, capsys):
     target, draft = tiny_dirs
     prompts = tmp_path / "edits.jsonl"
-    rows = [{"task_id": "e1", "prompt": "def add(a, b):", "category": "edit", "prediction": "    return a + b\n"},
-            {"task_id": "e2", "prompt": "def sub(a, b):", "category": "edit"}]
+    rows = [
+        {"task_id": "e1", "prompt": "def add(a, b):", "category": "edit", "prediction": "    return a + b\n"},
+        {"task_id": "e2", "prompt": "def sub(a, b):", "category": "edit"},
+    ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    assert main(["bench", "--prompts", str(prompts), "--methods", "auto", "--max-new-tokens", "8",
-                 "--target", str(target), "--draft", str(draft), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "auto",
+                "--max-new-tokens",
+                "8",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     by = {(r["prompt_id"], r["method"]): r for r in json.loads((out / "results.json").read_text())["prompts"]}
     e1 = by[("e1", "auto")]
     assert 0 <= e1["prediction_copied"] <= 1 and e1["copy_bound_tokens_per_second"] > 0
     assert "copy_bound_tokens_per_second" not in by[("e2", "auto")]  # no prediction: no bound
     assert "autoregressive" in {m for _, m in by} and "copy_bound_tokens_per_second" not in by[("e1", "autoregressive")]
     report = (out / "report.md").read_text()
-    assert "## Copies against their bound" in report and "| e1 | auto |" in report and "| e2 |" not in report.split(
-        "## Copies against their bound")[1].split("##")[0]
+    assert (
+        "## Copies against their bound" in report
+        and "| e1 | auto |" in report
+        and "| e2 |" not in report.split("## Copies against their bound")[1].split("##")[0]
+    )

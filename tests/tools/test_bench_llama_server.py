@@ -3,6 +3,7 @@ server as a single-stream peer. The argument checks and the error without the bi
 the whole path (launch, /completion streamed, tokens, TTFT, stop) through a stand-in server
 (fake_llama_server.py: llama-cpp-python's greedy generation in llama-server's stream format); and, where
 llama-server is built, the real one."""
+
 import json
 import os
 import sys
@@ -20,8 +21,9 @@ FAKE = Path(__file__).resolve().parents[1] / "fake_llama_server.py"
 @pytest.fixture
 def prompts(tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "def add(a, b):", "category": "code"}\n'
-                 '{"prompt": "abcabcabc abcabcabc", "category": "text"}\n')
+    f.write_text(
+        '{"prompt": "def add(a, b):", "category": "code"}\n{"prompt": "abcabcabc abcabcabc", "category": "text"}\n'
+    )
     return f
 
 
@@ -29,17 +31,48 @@ def test_llama_server_peers_checked_before_any_model(tmp_path, prompts, monkeypa
     """Without the binary: exit 2 naming `specdecode loadtest --build-llama-server`, before the (here missing)
     model is looked at; a missing --llama-server file and sampling are refused as early."""
     import specdecode.launch.llama_server as ls
+
     monkeypatch.setattr(ls, "find_binary", lambda *a, **k: None)
     missing_model = str(tmp_path / "no-such-model.gguf")
     for methods in ("llama-server", "autoregressive,llama-server-draft", "llama-server-ngram"):
         assert main(["bench", "--prompts", str(prompts), "--methods", methods, "--target", missing_model]) == 2
         err = capsys.readouterr().err
         assert "llama-server" in err and "specdecode loadtest --build-llama-server" in err, err
-    assert main(["bench", "--prompts", str(prompts), "--methods", "llama-server", "--target", missing_model,
-                 "--llama-server", str(tmp_path / "nope")]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "llama-server",
+                "--target",
+                missing_model,
+                "--llama-server",
+                str(tmp_path / "nope"),
+            ]
+        )
+        == 2
+    )
     assert "no such file" in capsys.readouterr().err
-    assert main(["bench", "--prompts", str(prompts), "--methods", "llama-server", "--target", missing_model,
-                 "--temperature", "0.7", "--llama-server", str(FAKE)]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "llama-server",
+                "--target",
+                missing_model,
+                "--temperature",
+                "0.7",
+                "--llama-server",
+                str(FAKE),
+            ]
+        )
+        == 2
+    )
     assert "greedy only" in capsys.readouterr().err
     assert main(["bench", "--prompts", str(prompts), "--methods", "llama-server-fast"]) == 2
     assert "unknown method" in capsys.readouterr().err
@@ -47,7 +80,7 @@ def test_llama_server_peers_checked_before_any_model(tmp_path, prompts, monkeypa
 
 def _fake_binary(tmp_path) -> Path:
     exe = tmp_path / "llama-server"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
     exe.chmod(0o755)
     return exe
 
@@ -58,14 +91,37 @@ def test_bench_llama_server_peers_through_a_stand_in_server(tmp_path, prompts, m
     as the stream carried them (equal to the llama.cpp peer's on the same file), TTFT and decode speed."""
     pytest.importorskip("llama_cpp", reason="the llama.cpp peers need llama-cpp-python (not installed)")
     from tinygguf import write_tiny_gguf
+
     target, draft = write_tiny_gguf(tmp_path / "target.gguf", 0), write_tiny_gguf(tmp_path / "draft.gguf", 1)
     record = tmp_path / "argv.jsonl"
     monkeypatch.setenv("FAKE_LLAMA_SERVER_ARGV", str(record))
     out = tmp_path / "out"
-    assert main(["bench", "--prompts", str(prompts), "--threads", "1", "--max-new-tokens", "12",
-                 "--methods", "autoregressive,llama.cpp,llama-server,llama-server-draft,llama-server-ngram",
-                 "--target", str(target), "--draft", str(draft), "--backend", "llama.cpp",
-                 "--llama-server", str(_fake_binary(tmp_path)), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--threads",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--methods",
+                "autoregressive,llama.cpp,llama-server,llama-server-draft,llama-server-ngram",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--backend",
+                "llama.cpp",
+                "--llama-server",
+                str(_fake_binary(tmp_path)),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     starts = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(starts) == 3  # one server per peer, for warm-up and both prompts
@@ -93,12 +149,35 @@ def test_bench_llama_server_peers_through_a_stand_in_server(tmp_path, prompts, m
 def test_bench_real_llama_server_peers(tmp_path, prompts, capsys):
     """llama.cpp's own server, plain, with the draft and with n-gram speculation, on tiny GGUF files."""
     from tinygguf import write_tiny_gguf
+
     target, draft = write_tiny_gguf(tmp_path / "target.gguf", 0), write_tiny_gguf(tmp_path / "draft.gguf", 1)
     out = tmp_path / "out"
-    assert main(["bench", "--prompts", str(prompts), "--threads", "1", "--max-new-tokens", "12",
-                 "--methods", "autoregressive,llama-server,llama-server-draft,llama-server-ngram",
-                 "--target", str(target), "--draft", str(draft), "--backend", "llama.cpp",
-                 "--llama-server", str(LLAMA_SERVER), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--threads",
+                "1",
+                "--max-new-tokens",
+                "12",
+                "--methods",
+                "autoregressive,llama-server,llama-server-draft,llama-server-ngram",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--backend",
+                "llama.cpp",
+                "--llama-server",
+                str(LLAMA_SERVER),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     results = json.loads((out / "results.json").read_text())
     for m in ("llama-server", "llama-server-draft", "llama-server-ngram"):

@@ -1,5 +1,6 @@
 """`specdecode certify` on tiny fp32 models: it passes on a correct engine and fails (exit 1) when the
 verifier, the rollback or greedy agreement is broken."""
+
 import json
 
 import pytest
@@ -12,8 +13,23 @@ from specdecode.sampling import SamplingParams
 
 def run(tiny_dirs, capsys, *extra):
     target, draft = tiny_dirs
-    code = main(["certify", "--target", str(target), "--draft", str(draft), "--draws", "50000",
-                 "--max-new-tokens", "24", "--dtype", "fp32", "--json", *extra])
+    code = main(
+        [
+            "certify",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--draws",
+            "50000",
+            "--max-new-tokens",
+            "24",
+            "--dtype",
+            "fp32",
+            "--json",
+            *extra,
+        ]
+    )
     out = capsys.readouterr().out
     return code, json.loads(out)
 
@@ -35,6 +51,7 @@ def test_a_wrong_verifier_fails_the_certificate(tiny_dirs, capsys, monkeypatch):
     def accept_all(p, q, draft_tokens, generator=None):
         B, gamma = draft_tokens.shape
         return torch.full((B,), gamma), draft_tokens[:, -1]
+
     monkeypatch.setattr(cert, "verify", accept_all)
     code, report = run(tiny_dirs, capsys, "--methods", "pld")
     assert code == 1 and not report["passed"]
@@ -43,12 +60,14 @@ def test_a_wrong_verifier_fails_the_certificate(tiny_dirs, capsys, monkeypatch):
 
 def test_a_broken_rollback_fails_the_certificate(tiny_dirs, capsys, monkeypatch):
     from specdecode.backends import CachedLM
+
     real = CachedLM.rollback
 
     def sloppy(self, length, path=()):  # keeps the branch's tokens but not at their places
         real(self, length, sorted(path)[:1])
         if len(path) > 1:
             self.forward([self.ids[-1]] * (len(path) - 1))
+
     monkeypatch.setattr(CachedLM, "rollback", sloppy)
     code, report = run(tiny_dirs, capsys, "--methods", "pld")
     assert code == 1 and any(not r["passed"] for r in report["rollback"]), report["rollback"]
@@ -63,6 +82,7 @@ def test_chi_square_pools_rare_categories():
 
 def test_verifier_check_needs_bounded_support():
     from specdecode.errors import SpecDecodeError
+
     p = torch.full((cert.MAX_SUPPORT + 1,), 1.0 / (cert.MAX_SUPPORT + 1))
     with pytest.raises(SpecDecodeError, match="bounded support"):
         cert.check_verifier(p, p, 1000, torch.Generator().manual_seed(0))

@@ -2,6 +2,7 @@
 quantization types. The rollback check compares the engine's own cache after a rollback with the same text written
 to the same cells of a fresh cache (LlamaLM.place_chain), bit for bit; a kept entry that is wrong fails it, and the
 cells' own layout (a tree rollback leaves holes the next token fills) is reported apart."""
+
 from __future__ import annotations
 
 import ctypes
@@ -24,6 +25,7 @@ def ggufs(tmp_path_factory):
     pytest.importorskip("llama_cpp")
     from specdecode.backends.llamacpp.lm import _lib
     from tinygguf import write_tiny_gguf
+
     lc, d, out = _lib(), tmp_path_factory.mktemp("certify-gguf"), {}
     for arch in ARCHS:
         src = out[arch, "F32"] = write_tiny_gguf(d / f"{arch}-F32.gguf", 0, hidden=256, arch=arch)
@@ -37,6 +39,7 @@ def ggufs(tmp_path_factory):
 
 def lm_on(path, exact: bool = False):
     from specdecode.backends.llamacpp import LlamaLM
+
     return LlamaLM(path, threads=1, exact=exact)
 
 
@@ -55,8 +58,15 @@ def test_certificate_passes_on_quantized_ggufs(ggufs, arch, qtype):
     tok = byte_tokenizer()
     engine = Engine(lm_on(path), tok, lm_on(path), tok)
     assert engine.target.meta("general.architecture") == arch and engine.target.dtype == qtype
-    report = cert.certify(engine, methods=["draft", "tree", "pld"], prompts=[PROMPT],
-                          settings=[SamplingParams(1.0, 20, 1.0)], draws=20000, max_new_tokens=16, progress=False)
+    report = cert.certify(
+        engine,
+        methods=["draft", "tree", "pld"],
+        prompts=[PROMPT],
+        settings=[SamplingParams(1.0, 20, 1.0)],
+        draws=20000,
+        max_new_tokens=16,
+        progress=False,
+    )
     assert report["passed"], cert.markdown({**report, "cpu": ""})
     assert len(report["rollback"]) == 4  # chain and tree, target and draft
     assert all(r["bit_identical"] and r["tolerance"] == 0 for r in report["rollback"])
@@ -89,6 +99,7 @@ def test_place_chain_writes_the_cells_a_tree_rollback_keeps(ggufs, arch, exact):
     def contiguous():  # the same text, its fillers after it
         lm.forward([root, t[0], t[3], t[4], 1, 1])
         lm.rollback(len(P) + 4)
+
     kept, after = state(tree)
     assert lm.parked == (2 if exact else 0)
     same, same_after = state(lambda: lm.place_chain([root, t[0], t[3], t[4]], [0, 1, 4, 5], 6, 1))
@@ -115,6 +126,7 @@ def test_a_wrong_kept_entry_fails_the_rollback_check(ggufs, monkeypatch):
     """A rollback that leaves one rejected node visible to the text (it joins sequence 0) keeps a wrong entry: the
     next token attends to it, so the check fails, on a model whose layout and pass sizes move no bit."""
     from specdecode.backends.llamacpp import LlamaLM
+
     real = LlamaLM.rollback
 
     def leaky(self, length, path=()):
@@ -123,6 +135,7 @@ def test_a_wrong_kept_entry_fails_the_rollback_check(ggufs, monkeypatch):
             p = self._position(rejected)
             self._lc.llama_memory_seq_cp(self._mem, self._seq_of(rejected), self.seq0, p, p + 1)
         real(self, length, path)
+
     lm = lm_on(ggufs["llama", "Q4_1"])
     assert all(r["passed"] for r in rollback_checks(lm).values())
     monkeypatch.setattr(LlamaLM, "rollback", leaky)
@@ -135,8 +148,22 @@ def test_a_wrong_kept_entry_fails_the_rollback_check(ggufs, monkeypatch):
 def test_certify_command_on_a_llama_q4_1_gguf(ggufs, capsys):
     """As a new user runs it: `specdecode certify --target <a Llama-architecture Q4_1 GGUF>` (no draft model)."""
     from specdecode.cli import main
-    code = main(["certify", "--target", str(ggufs["llama", "Q4_1"]), "--threads", "1", "--draws", "1000",
-                 "--max-new-tokens", "4", "--methods", "pld"])
+
+    code = main(
+        [
+            "certify",
+            "--target",
+            str(ggufs["llama", "Q4_1"]),
+            "--threads",
+            "1",
+            "--draws",
+            "1000",
+            "--max-new-tokens",
+            "4",
+            "--methods",
+            "pld",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("# specdecode certificate: PASSED"), out
     assert "| target | tree branch rollback | 0.00e+00 | 0 |" in out

@@ -1,4 +1,5 @@
 """The CLI contract: flags, --json shape, exit status 2 with one line on stderr."""
+
 import json
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ def main_here(capsys, *args, monkeypatch=None, input=None):
     without a child process's seconds of imports (a child's exit status: the tests marked `process`)."""
     if input is not None:
         import io
+
         monkeypatch.setattr(sys, "stdin", io.StringIO(input))
     capsys.readouterr()
     try:
@@ -32,17 +34,44 @@ def main_here(capsys, *args, monkeypatch=None, input=None):
 
 def test_json_output_matches_python_api(tiny_dirs, capsys):
     target, draft = tiny_dirs
-    code = main(["generate", "hello", "--target", str(target), "--draft", str(draft), "--method", "draft",
-                 "--gamma", "3", "--max-new-tokens", "24", "--json"])
+    code = main(
+        [
+            "generate",
+            "hello",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--method",
+            "draft",
+            "--gamma",
+            "3",
+            "--max-new-tokens",
+            "24",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "stats"}
     s = out["stats"]
-    for key in ("new_tokens", "target_forwards", "drafted", "accepted", "acceptance_rate", "mean_accepted_tokens",
-                "accepted_per_position", "wall_s", "tokens_per_second", "draft_s", "verify_s"):
+    for key in (
+        "new_tokens",
+        "target_forwards",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "mean_accepted_tokens",
+        "accepted_per_position",
+        "wall_s",
+        "tokens_per_second",
+        "draft_s",
+        "verify_s",
+    ):
         assert key in s
     assert s["new_tokens"] == len(out["token_ids"]) <= 24 and s["accepted"] <= s["drafted"]
     from specdecode import Engine
+
     engine = Engine.load(str(target), str(draft), progress=False)
     ref = engine.generate("hello", method="autoregressive", max_new_tokens=24)
     assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
@@ -50,36 +79,97 @@ def test_json_output_matches_python_api(tiny_dirs, capsys):
 
 def test_tree_method_json_and_stats_line(tiny_dirs, capsys):
     target, draft = tiny_dirs
-    code = main(["generate", "hello", "--target", str(target), "--draft", str(draft), "--method", "tree",
-                 "--tree-width", "2", "--tree-depth", "3", "--tree-nodes", "5", "--max-new-tokens", "24", "--json"])
+    code = main(
+        [
+            "generate",
+            "hello",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--method",
+            "tree",
+            "--tree-width",
+            "2",
+            "--tree-depth",
+            "3",
+            "--tree-nodes",
+            "5",
+            "--max-new-tokens",
+            "24",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     s = out["stats"]
     assert s["method"] == "tree" and s["tree"]["chosen_by_cost_model"] == []
     assert s["drafted"] <= 5 * s["target_forwards"] and s["expected_tokens_per_pass"] >= 1
     from specdecode import Engine
+
     ref = Engine.load(str(target), progress=False).generate("hello", method="autoregressive", max_new_tokens=24)
     assert out["token_ids"] == ref.token_ids  # greedy tree output is plain decoding's
-    code, _, err = main_here(capsys, "generate", "abc", "--target", str(target), "--draft", str(draft), "--method",
-                             "tree", "--max-new-tokens", "12")
+    code, _, err = main_here(
+        capsys,
+        "generate",
+        "abc",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--method",
+        "tree",
+        "--max-new-tokens",
+        "12",
+    )
     assert code == 0, err
     assert "[tree nodes/pass" in err and "expected tokens/pass" in err
 
 
 def test_streamed_text_then_stats_line(tiny_dirs, capsys):
     target, _ = tiny_dirs
-    code, out, err = main_here(capsys, "generate", "abc", "--target", str(target), "--method", "pld",
-                               "--max-new-tokens", "16", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
-                               "--seed", "1", "--dtype", "fp32")
+    code, out, err = main_here(
+        capsys,
+        "generate",
+        "abc",
+        "--target",
+        str(target),
+        "--method",
+        "pld",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "1",
+        "--dtype",
+        "fp32",
+    )
     assert code == 0, err
     assert "[pld gamma=4] 16 tokens" in err and "finish: length" in err and out
 
 
 def test_stdin_prompt_and_chat(tiny_dirs, capsys, monkeypatch):
     target, _ = tiny_dirs
-    code, out, err = main_here(capsys, "generate", "-", "--chat", "--target", str(target), "--method",
-                               "autoregressive", "--max-new-tokens", "4", "--json", monkeypatch=monkeypatch,
-                               input="hi there")
+    code, out, err = main_here(
+        capsys,
+        "generate",
+        "-",
+        "--chat",
+        "--target",
+        str(target),
+        "--method",
+        "autoregressive",
+        "--max-new-tokens",
+        "4",
+        "--json",
+        monkeypatch=monkeypatch,
+        input="hi there",
+    )
     assert code == 0, err
     assert json.loads(out)["stats"]["prompt_tokens"] == len("<user>hi there\n<assistant>")
 
@@ -113,6 +203,7 @@ def test_bad_input_exit_2_with_the_engines_message(tiny_dirs, args, engine, caps
         assert engine in lines[0]
         return
     from specdecode import Engine
+
     with pytest.raises(SpecDecodeError) as e:
         engine(Engine.load(str(target), progress=False))
     assert lines[0] == f"specdecode: error: {e.value}"
@@ -137,8 +228,8 @@ assert main(["bench", "--prompts", "p.jsonl"]) == 2
     assert r.returncode == 0, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("specdecode: error:")]
     assert len(errors) == 2
-    assert "pip install \"specdecode[server]\"" in errors[0] and "fastapi" in errors[0]
-    assert "pip install \"specdecode[bench]\"" in errors[1] and "matplotlib" in errors[1]
+    assert 'pip install "specdecode[server]"' in errors[0] and "fastapi" in errors[0]
+    assert 'pip install "specdecode[bench]"' in errors[1] and "matplotlib" in errors[1]
 
 
 def test_missing_model_exit_2(tmp_path, capsys):
@@ -154,11 +245,13 @@ def test_incompatible_draft_exit_2(tiny_dirs, tmp_path, capsys):
     from transformers import PreTrainedTokenizerFast
 
     from tiny import tiny_model
+
     target, _ = tiny_dirs
     other = tmp_path / "other"
     tiny_model(3, vocab_size=3).save_pretrained(other)
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, "[UNK]")),
-                            unk_token="[UNK]").save_pretrained(other)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, "[UNK]")), unk_token="[UNK]"
+    ).save_pretrained(other)
     code, _, err = main_here(capsys, "generate", "x", "--target", str(target), "--draft", str(other))
     assert code == 2 and "tokenizers differ" in err
 

@@ -1,5 +1,6 @@
 """One set of defaults: the method and gamma a generation gets where none is named are the same in the Engine,
 the request check, the app, Ray Serve's app, the command line, the method table and the docs."""
+
 import inspect
 import re
 from pathlib import Path

@@ -10,6 +10,7 @@ server's). `<!-- runnable: llama.cpp -->` loads tiny GGUF models instead (what o
 `Slots`). `<!-- not run: REASON -->` is for what the suite cannot run (a Ray cluster), with the reason.
 Examples run in a scratch directory holding what they read: `app.py`, and `~/ds`, a datastore of it.
 """
+
 import argparse
 import importlib
 import inspect
@@ -35,6 +36,7 @@ def rel(path: Path) -> str:
 
 # --- (a) the README's shape ------------------------------------------------------------------------------
 
+
 def readme_problems(text: str) -> list[str]:
     """What is wrong with a README's shape: too long, or not opening with the two set-up commands."""
     lines = text.split("\n")
@@ -42,13 +44,18 @@ def readme_problems(text: str) -> list[str]:
     if len(lines) - (lines[-1] == "") > MAX_README_LINES:
         problems.append(f"{len(lines)} lines, more than {MAX_README_LINES}")
     fence = next((i for i, line in enumerate(lines) if line.startswith("```")), None)
-    if fence is None or lines[fence] != "```bash" or any(
-            line.strip() for line in lines[1:fence] if not line.startswith("#")):
+    if (
+        fence is None
+        or lines[fence] != "```bash"
+        or any(line.strip() for line in lines[1:fence] if not line.startswith("#"))
+    ):
         problems.append("the first thing after the title must be the ```bash block of the set-up commands")
         return problems
     first, second = lines[fence + 1], lines[fence + 2]
-    for cmd, head in ((first, 'scripts/setup.sh models && . .venv/bin/activate && specdecode generate '),
-                      (second, 'scripts/setup.sh models,test && . .venv/bin/activate && python -m pytest ')):
+    for cmd, head in (
+        (first, "scripts/setup.sh models && . .venv/bin/activate && specdecode generate "),
+        (second, "scripts/setup.sh models,test && . .venv/bin/activate && python -m pytest "),
+    ):
         if not cmd.startswith(head):
             problems.append(f"not a set-up command: {cmd[:80]!r}")
     if lines[fence + 3] != "```":
@@ -65,17 +72,19 @@ def test_readme_shape_check_fails_on_a_long_readme_or_a_missing_command():
     assert readme_problems(text + "more\n" * MAX_README_LINES)
     lines = text.split("\n")
     fence = lines.index("```bash")
-    assert readme_problems("\n".join(lines[:fence + 1] + lines[fence + 2:]))  # the first command left out
+    assert readme_problems("\n".join(lines[: fence + 1] + lines[fence + 2 :]))  # the first command left out
     assert readme_problems("# specdecode\n\nSome prose first.\n\n" + "\n".join(lines[fence:]))
 
 
 def test_ci_runs_the_readme_test_command():
-    """CI's command is the README's second set-up command, with the docs build before the test run."""
+    """CI's command is the README's second set-up command, with ruff's checks and the docs build before the test run."""
     second = README.read_text().split("```bash\n", 1)[1].split("\n")[1]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "mkdocs build --strict" in ci
     ci_command = next(line for line in ci.split("\n") if line.startswith("scripts/setup.sh"))
-    assert re.sub(r"(NO_MKDOCS_2_WARNING=1 )?mkdocs build --strict && ", "", ci_command) == second
+    assert "ruff check src tests scripts && ruff format --check src tests scripts && " in ci_command
+    checks = r"ruff check src tests scripts && ruff format --check src tests scripts && "
+    assert re.sub(checks + r"(NO_MKDOCS_2_WARNING=1 )?mkdocs build --strict && ", "", ci_command) == second
 
 
 def layout_entries(text: str) -> dict[str, str]:
@@ -89,8 +98,9 @@ def layout_entries(text: str) -> dict[str, str]:
 def package_root() -> set[str]:
     """The modules (dunder files aside) and packages right under src/specdecode/."""
     src = ROOT / "src" / "specdecode"
-    return ({p.name for p in src.glob("*.py") if not p.name.startswith("__")}
-            | {p.name + "/" for p in src.iterdir() if (p / "__init__.py").exists()})
+    return {p.name for p in src.glob("*.py") if not p.name.startswith("__")} | {
+        p.name + "/" for p in src.iterdir() if (p / "__init__.py").exists()
+    }
 
 
 def test_readme_layout_lists_every_root_module_with_a_line():
@@ -180,6 +190,7 @@ def test_the_resolver_rejects_stale_and_made_up_names():
 def test_the_resolver_goes_by_attribute_where_a_package_hides_its_submodule(monkeypatch):
     import specdecode
     import specdecode.verify
+
     assert resolves("specdecode.verify.verify_tree")
     monkeypatch.setattr(specdecode, "verify", specdecode.verify.verify)  # the function in the module's place
     assert not resolves("specdecode.verify.verify_tree")  # importlib would still find the module
@@ -190,8 +201,9 @@ SRC_PATH = re.compile(r"src/specdecode/[\w/]+\.py")
 
 
 def test_source_paths_in_the_docs_exist():
-    missing = [f"{rel(p)}: {m}" for p in doc_files() for m in SRC_PATH.findall(p.read_text())
-               if not (ROOT / m).exists()]
+    missing = [
+        f"{rel(p)}: {m}" for p in doc_files() for m in SRC_PATH.findall(p.read_text()) if not (ROOT / m).exists()
+    ]
     assert missing == []
 
 
@@ -210,8 +222,11 @@ MARKER = re.compile(r"<!-- (runnable(: [\w.-]+)?|not run: \S.*) -->")
 def unmarked_python_blocks(text: str) -> list[int]:
     """Line numbers of the ```python blocks that are neither marked runnable nor marked not run with a reason."""
     lines = text.split("\n")
-    return [i + 1 for i, line in enumerate(lines)
-            if re.match(r"```\s*py(thon)?\b", line) and not (i and MARKER.fullmatch(lines[i - 1]))]
+    return [
+        i + 1
+        for i, line in enumerate(lines)
+        if re.match(r"```\s*py(thon)?\b", line) and not (i and MARKER.fullmatch(lines[i - 1]))
+    ]
 
 
 def test_every_python_block_in_the_docs_is_run_or_says_why_not():
@@ -244,6 +259,7 @@ def shared_cache(tmp_path_factory):
 def load_instead_of_the_default_pair(monkeypatch, target, draft):
     """Engine.load() without a target loads (target, draft) instead of the default pair."""
     from specdecode import Engine
+
     real = Engine.load.__func__
 
     def load(cls, target_name=None, draft_name=None, **kwargs):
@@ -251,6 +267,7 @@ def load_instead_of_the_default_pair(monkeypatch, target, draft):
             target_name, draft_name = str(target), str(draft)
         kwargs.setdefault("progress", False)
         return real(cls, target_name, draft_name, **kwargs)
+
     monkeypatch.setattr(Engine, "load", classmethod(load))
     return Engine
 
@@ -268,6 +285,7 @@ def scratch(tmp_path_factory, tiny_dirs):
     from transformers import AutoTokenizer
 
     from specdecode.drafters.datastore import index_files
+
     root = tmp_path_factory.mktemp("docs-scratch")
     (root / "app.py").write_text("def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n")
     index_files([str(root / "app.py")], AutoTokenizer.from_pretrained(tiny_dirs[0]), root / "ds", progress=False)
@@ -287,11 +305,13 @@ def test_runnable_example(code, tag, tiny_load, scratch, monkeypatch, capsys):
     if tag == "llama.cpp":
         pytest.importorskip("llama_cpp")
         from tinygguf import write_tiny_gguf
+
         ggufs = [write_tiny_gguf(scratch / f"tiny-{seed}.gguf", seed, hidden=128) for seed in (0, 1)]
         load_instead_of_the_default_pair(monkeypatch, *ggufs)
     if tag == "server":
         from helpers import LiveServer
         from specdecode.server.app import create_app
+
         assert SERVED_AT in code, "a client example talks to the address serve prints"
         srv = LiveServer(create_app(tiny_load.load(), model_id=SERVED_MODEL, method="auto"))
         code = code.replace(SERVED_AT, srv.url)
@@ -306,11 +326,13 @@ def test_runnable_example(code, tag, tiny_load, scratch, monkeypatch, capsys):
 def test_a_broken_example_fails(tiny_load):
     code = 'from specdecode import Engine\nEngine.load().generate("x", method="no-such-method")\n'
     from specdecode.errors import SpecDecodeError
+
     with pytest.raises(SpecDecodeError):
         exec(compile(code, "<doc example>", "exec"), {})
 
 
 # --- the README's quick-start commands against the real CLI ------------------------------------------------
+
 
 def quickstart_commands() -> list[list[str]]:
     block = README.read_text().split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
@@ -319,6 +341,7 @@ def quickstart_commands() -> list[list[str]]:
 
 def test_quickstart_commands_parse_with_the_real_cli():
     from specdecode.cli import build_parser
+
     commands = quickstart_commands()
     assert len(commands) >= 3
     parser = build_parser()
@@ -331,6 +354,7 @@ def test_quickstart_commands_parse_with_the_real_cli():
 @pytest.mark.parametrize("argv", quickstart_commands(), ids=lambda a: " ".join(a[1:3]))
 def test_quickstart_commands_run(argv, tiny_dirs, shared_cache, tmp_path, monkeypatch, capsys):
     from specdecode.cli import main
+
     if "--prediction" in argv:
         (tmp_path / argv[argv.index("--prediction") + 1]).write_text("x = 1\nprint(x)\n")
     monkeypatch.chdir(tmp_path)
@@ -364,9 +388,11 @@ def synopses(text: str) -> dict[str, str]:
 
 def parser_options(command: str) -> dict[str, argparse.Action]:
     from specdecode.cli import build_parser
+
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {o: a for a in sub.choices[command]._actions for o in a.option_strings
-            if o.startswith("--") and o != "--help"}
+    return {
+        o: a for a in sub.choices[command]._actions for o in a.option_strings if o.startswith("--") and o != "--help"
+    }
 
 
 def synopsis_problems(command: str, text: str) -> list[str]:
@@ -375,9 +401,11 @@ def synopsis_problems(command: str, text: str) -> list[str]:
     options = parser_options(command)
     problems = [f"{command}: {o} missing" for o in options if o not in shown]
     problems += [f"{command}: {o} is not an option" for o in shown if o not in options]
-    problems += [f"{command}: {o} {v} but the parser takes {'|'.join(map(str, options[o].choices))}"
-                 for o, v in shown.items() if o in options and options[o].choices and "|" in v
-                 and set(v.split("|")) != set(map(str, options[o].choices))]
+    problems += [
+        f"{command}: {o} {v} but the parser takes {'|'.join(map(str, options[o].choices))}"
+        for o, v in shown.items()
+        if o in options and options[o].choices and "|" in v and set(v.split("|")) != set(map(str, options[o].choices))
+    ]
     return problems
 
 
@@ -390,5 +418,6 @@ def test_the_synopsis_check_fails_on_a_missing_or_made_up_option():
     text = (DOCS / "guide" / "methods.md").read_text()
     assert synopsis_problems("generate", text.replace("[--exact]", "")) == ["generate: --exact missing"]
     assert synopsis_problems("index", text.replace("--out DIR", "--out DIR [--no-such]")) == [
-        "index: --no-such is not an option"]
+        "index: --no-such is not an option"
+    ]
     assert synopsis_problems("generate", text.replace("auto|torch|llama.cpp", "auto|torch"))

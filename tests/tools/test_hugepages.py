@@ -1,6 +1,7 @@
 """Huge pages for the weights (hugepages.py): when `specdecode` restarts itself with glibc's THP tunable, that
 peers get the user's environment back, and, on a machine where it applies, that the restarted process really
 holds huge pages. Also the command's heavy imports with the collector paused (imports.py)."""
+
 import os
 import subprocess
 import sys
@@ -28,8 +29,9 @@ def test_restart_adds_the_tunable_and_remembers_the_users(madvise_glibc):
     assert env[hugepages.BEFORE] == "glibc.malloc.arena_max=2"
 
 
-@pytest.mark.parametrize("environ", [{"SPECDECODE_HUGEPAGES": "0"}, {hugepages.BEFORE: ""},
-                                     {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}])
+@pytest.mark.parametrize(
+    "environ", [{"SPECDECODE_HUGEPAGES": "0"}, {hugepages.BEFORE: ""}, {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}]
+)
 def test_no_restart_when_off_or_done(madvise_glibc, environ):
     assert hugepages.restart_argv(environ) is None  # no loop, and a user's own choice is kept
 
@@ -49,9 +51,11 @@ def test_peers_get_the_users_environment(monkeypatch):
     env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", hugepages.BEFORE: "", "A": "1"}
     assert hugepages.user_env(env) == {"A": "1"}
     assert hugepages.user_env({"GLIBC_TUNABLES": "x=1:glibc.malloc.hugetlb=1", hugepages.BEFORE: "x=1"}) == {
-        "GLIBC_TUNABLES": "x=1"}
+        "GLIBC_TUNABLES": "x=1"
+    }
     assert hugepages.user_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == {  # the user's own: kept
-        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"
+    }
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     monkeypatch.setenv(hugepages.BEFORE, "")
     peer = Launched(["true"], 1, "/tmp/unused.log")
@@ -77,46 +81,63 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(hugepages.restart_argv({}) is None,
-                    reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, "
-                           "or no glibc >= 2.35): nothing to restart for")
+@pytest.mark.skipif(
+    hugepages.restart_argv({}) is None,
+    reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, "
+    "or no glibc >= 2.35): nothing to restart for",
+)
 def test_restarted_process_holds_huge_pages(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hugepages.BEFORE, "SPECDECODE_HUGEPAGES")}
-    out = subprocess.run([sys.executable, str(script), hugepages.__file__, "a", "b c"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script), hugepages.__file__, "a", "b c"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     tunables, huge, args, status = out.stdout.strip().split("|")
     assert tunables == "glibc.malloc.hugetlb=1" and args == "['a', 'b c']", out.stderr
     assert int(huge) >= 32 << 10, f"{huge} kB in huge pages"  # the kernel granted them
     assert "restarted" in status
-    off = subprocess.run([sys.executable, str(script), hugepages.__file__], env={**env, "SPECDECODE_HUGEPAGES": "0"},
-                         capture_output=True, text=True, timeout=120)
+    off = subprocess.run(
+        [sys.executable, str(script), hugepages.__file__],
+        env={**env, "SPECDECODE_HUGEPAGES": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert off.stdout.split("|")[:2] == ["None", "0"], off.stdout + off.stderr  # the negative control: no huge pages
 
 
-@pytest.mark.parametrize("argv, command", [
-    (["/v/bin/python", "/v/bin/specdecode", "serve"], True),  # the console script
-    (["python3", "-m", "specdecode", "bench"], True),
-    (["python3", "-u", "-m", "specdecode"], True),
-    (["python3", "-X", "dev", "-W", "error", "-uB", "-m", "specdecode.cli", "serve"], True),
-    (["python3", "-X", "specdecode"], False),  # an option's argument, not the command
-    (["python3", "-", "specdecode"], False),  # a script from stdin must not be started again
-    (["python3", "-c", "code", "specdecode"], False),
-    (["python3", "-m", "pytest", "tests"], False),  # a program that imports the package
-    (["python3", "-m", "specdecode.bench.llama_peer_child"], False),
-    (["python3", "my_app.py"], False),
-    (["python3", "-c", "import specdecode"], False),
-    (["python3"], False),
-])
+@pytest.mark.parametrize(
+    "argv, command",
+    [
+        (["/v/bin/python", "/v/bin/specdecode", "serve"], True),  # the console script
+        (["python3", "-m", "specdecode", "bench"], True),
+        (["python3", "-u", "-m", "specdecode"], True),
+        (["python3", "-X", "dev", "-W", "error", "-uB", "-m", "specdecode.cli", "serve"], True),
+        (["python3", "-X", "specdecode"], False),  # an option's argument, not the command
+        (["python3", "-", "specdecode"], False),  # a script from stdin must not be started again
+        (["python3", "-c", "code", "specdecode"], False),
+        (["python3", "-m", "pytest", "tests"], False),  # a program that imports the package
+        (["python3", "-m", "specdecode.bench.llama_peer_child"], False),
+        (["python3", "my_app.py"], False),
+        (["python3", "-c", "import specdecode"], False),
+        (["python3"], False),
+    ],
+)
 def test_only_the_command_restarts_at_import(argv, command):
     assert hugepages.launched_as_command(argv) is command
 
 
 @pytest.mark.process
-@pytest.mark.skipif(hugepages.restart_argv({}) is None,
-                    reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, or "
-                           "no glibc >= 2.35): the command has nothing to restart for")
+@pytest.mark.skipif(
+    hugepages.restart_argv({}) is None,
+    reason="this machine's kernel or C library decides huge pages itself (THP mode not madvise, or "
+    "no glibc >= 2.35): the command has nothing to restart for",
+)
 @pytest.mark.parametrize("command", [["-m", "specdecode"], ["-m", "specdecode.cli"]])
 def test_the_command_restarts_itself(tmp_path, command):
     """`python -m specdecode` ends in a process that asked for huge pages: an atexit hook (sitecustomize) prints the
@@ -124,13 +145,19 @@ def test_the_command_restarts_itself(tmp_path, command):
     (tmp_path / "sitecustomize.py").write_text(
         "import atexit, os, sys\n"
         "atexit.register(lambda: sys.stderr.write('ENV|%s|%s\\n' % (os.environ.get('GLIBC_TUNABLES'), "
-        "os.environ.get('SPECDECODE_GLIBC_TUNABLES_BEFORE'))))\n")
+        "os.environ.get('SPECDECODE_GLIBC_TUNABLES_BEFORE'))))\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hugepages.BEFORE, "SPECDECODE_HUGEPAGES")}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run([sys.executable, *command, "--help"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ENV|glibc.malloc.hugetlb=1|" in out.stderr, out.stderr[-2000:]
-    off = subprocess.run([sys.executable, *command, "--help"], env={**env, "SPECDECODE_HUGEPAGES": "0"},
-                         capture_output=True, text=True, timeout=300)
+    off = subprocess.run(
+        [sys.executable, *command, "--help"],
+        env={**env, "SPECDECODE_HUGEPAGES": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "ENV|None|None" in off.stderr, off.stderr[-2000:]  # the negative control
 
 

@@ -1,6 +1,7 @@
 """The leaderboard (docs/results/index.md) keeps one row per benchmark and machine, its latest run: a newer run
 replaces the row, and the one it replaces moves to the measurement notes. Every row names its date, commit and
 report, and the report is there."""
+
 import datetime
 import re
 from pathlib import Path
@@ -39,10 +40,12 @@ def duplicates(text: str) -> list[str]:
 
 
 def test_duplicates_finds_a_second_row_of_a_benchmark_on_a_machine():
-    page = ("## Served\n\n| benchmark | run | date | machine |\n|---|---|---|---|\n"
-            "| 16 prompts | c = 1 | 2026-12-06 | Intel Xeon |\n| 16 prompts | c = 8 | 2026-12-05 | AMD EPYC |\n"
-            "| 16  Prompts | c = 4 | 2026-12-05 | intel xeon |\n\n"
-            "## Other\n\n| benchmark | date | machine |\n|---|---|---|\n| 16 prompts | 2026-12-01 | Intel Xeon |\n")
+    page = (
+        "## Served\n\n| benchmark | run | date | machine |\n|---|---|---|---|\n"
+        "| 16 prompts | c = 1 | 2026-12-06 | Intel Xeon |\n| 16 prompts | c = 8 | 2026-12-05 | AMD EPYC |\n"
+        "| 16  Prompts | c = 4 | 2026-12-05 | intel xeon |\n\n"
+        "## Other\n\n| benchmark | date | machine |\n|---|---|---|\n| 16 prompts | 2026-12-01 | Intel Xeon |\n"
+    )
     assert duplicates(page) == ["Served: ('16 prompts', 'intel xeon') on 2026-12-06 and on 2026-12-05"]
 
 

@@ -1,4 +1,5 @@
 """The licence the README and pyproject.toml name is the one the repository ships, in full."""
+
 import hashlib
 import tomllib
 from pathlib import Path

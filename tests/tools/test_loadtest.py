@@ -1,5 +1,6 @@
 """`specdecode loadtest`: the load client's statistics on a fake server and a fake clock, the client
 against our server at concurrency 1 and 3 (loopback only, a handful of requests), and the launch of a peer."""
+
 import asyncio
 import json
 import sys
@@ -44,6 +45,7 @@ class FakeClock:
 
 def fake_server(clock, scripts):
     """An httpx transport: scripts[prompt] is (status, [(seconds before the event, event line), ...])."""
+
     async def handler(request):
         body = json.loads(request.content)
         status, events = scripts[body.get("prompt") or body["messages"][0]["content"]]
@@ -52,7 +54,9 @@ def fake_server(clock, scripts):
             for delay, line in events:
                 clock.t += delay
                 yield (line + "\n\n").encode()
+
         return httpx.Response(status, content=stream(), headers={"content-type": "text/event-stream"})
+
     return httpx.MockTransport(handler)
 
 
@@ -80,8 +84,9 @@ def test_statistics_of_a_level_on_a_fake_clock():
         "boom": (200, [(0.1, sse({"error": {"message": "internal"}})), (0.0, sse("[DONE]"))]),
     }
     rows = [{"id": k, "prompt": k, "chat": False} for k in scripts]
-    summary, records = asyncio.run(run_level_async("http://fake", MODEL, rows, 1, 8, clock=clock,
-                                                   transport=fake_server(clock, scripts)))
+    summary, records = asyncio.run(
+        run_level_async("http://fake", MODEL, rows, 1, 8, clock=clock, transport=fake_server(clock, scripts))
+    )
     by = {r["id"]: r for r in records}
     assert by["a"]["text"] == "xyzw" and by["a"]["tokens"] == 4 and by["a"]["chunks"] == 3
     assert by["a"]["ttft_s"] == pytest.approx(0.5) and by["a"]["itl_s"] == pytest.approx([0.1, 0.3])
@@ -100,11 +105,21 @@ def test_statistics_of_a_level_on_a_fake_clock():
 def test_chat_rows_go_to_chat_completions_and_greedy_mismatches_are_located():
     clock = FakeClock()
     chunk = lambda text: (0.1, sse({"choices": [{"index": 0, "delta": {"content": text}}]}))  # noqa: E731
-    scripts = {"hi": (200, [(0.0, sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})), chunk("Hel"),
-                            chunk("lo!"), (0.0, sse("[DONE]"))])}
+    scripts = {
+        "hi": (
+            200,
+            [
+                (0.0, sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})),
+                chunk("Hel"),
+                chunk("lo!"),
+                (0.0, sse("[DONE]")),
+            ],
+        )
+    }
     rows = [{"id": "1", "prompt": "hi", "chat": True}]
-    _, records = asyncio.run(run_level_async("http://fake", MODEL, rows, 1, 8, clock=clock,
-                                             transport=fake_server(clock, scripts)))
+    _, records = asyncio.run(
+        run_level_async("http://fake", MODEL, rows, 1, 8, clock=clock, transport=fake_server(clock, scripts))
+    )
     assert records[0]["error"] is None and records[0]["text"] == "Hello!" and records[0]["ttft_s"] == pytest.approx(0.1)
     assert first_difference("abc", "abc") is None and first_difference("abc", "abd") == 2
     assert first_difference("abc", "ab") == 2
@@ -117,18 +132,22 @@ def test_llama_server_peer_command(tmp_path):
     gguf, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
     gguf.write_bytes(b"GGUF")
     draft.write_bytes(b"GGUF")
-    kw = dict(port=1234, slots=4, threads=2, ctx=4096, target=str(gguf), draft=str(draft), llama_server="ls",
-              serve_flags=())
+    kw = dict(
+        port=1234, slots=4, threads=2, ctx=4096, target=str(gguf), draft=str(draft), llama_server="ls", serve_flags=()
+    )
     plain = peer_argv("llama-server", **kw)
     assert plain[:3] == ["ls", "-m", str(gguf)] and "--spec-type" not in plain
     flags = " ".join(plain)
     assert "-t 2 -tb 2 -np 4 -kvu -c 16384" in flags and "--host 127.0.0.1 --port 1234" in flags
     assert " ".join(peer_argv("llama-server-draft", **kw)).endswith(
-        f"--spec-type draft-simple -md {draft} -td 2 -tbd 2")
+        f"--spec-type draft-simple -md {draft} -td 2 -tbd 2"
+    )
     assert " ".join(peer_argv("llama-server-ngram", **kw)).endswith(
-        "-np 4 -kvu -c 16384 --no-webui --spec-type ngram-mod")
+        "-np 4 -kvu -c 16384 --no-webui --spec-type ngram-mod"
+    )
     assert " ".join(peer_argv("llama-server-ngram-simple", **kw)).endswith(
-        "--no-webui --spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 16")
+        "--no-webui --spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 16"
+    )
     assert " ".join(peer_argv("llama-server-ngram-simple-64", **kw)).endswith("--spec-ngram-simple-size-m 64")
     ours = peer_argv("specdecode", **kw)
     assert ours[1:4] == ["-m", "specdecode", "serve"] and "--parallel" not in ours and "--ctx-size" not in ours
@@ -144,6 +163,7 @@ def test_llama_server_peer_command(tmp_path):
 def test_llama_cpp_python_peer_without_its_server_packages(monkeypatch, tmp_path, capsys):
     """The peer's missing pure-Python packages are named (with the pip command) before anything starts."""
     import specdecode.launch.servers as servers
+
     monkeypatch.setattr(servers, "llama_cpp_server_missing", lambda: ["sse-starlette", "starlette-context<0.4"])
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
@@ -196,11 +216,38 @@ def test_loadtest_command_launches_our_server(tiny_dirs, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
     out = tmp_path / "out"
-    assert main(["loadtest", "--launch", "specdecode", "--target", str(target), "--draft", str(draft),
-                 "--prompts", str(prompts), "--concurrency", "1", "--max-tokens", "8", "--threads", "1",
-                 "--requests", "12", "--rounds", "2",
-                 "--ours-args", "--method draft --gamma 3 --history-tokens 0", "--ready-timeout", "120",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "loadtest",
+                "--launch",
+                "specdecode",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--prompts",
+                str(prompts),
+                "--concurrency",
+                "1",
+                "--max-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--requests",
+                "12",
+                "--rounds",
+                "2",
+                "--ours-args",
+                "--method draft --gamma 3 --history-tokens 0",
+                "--ready-timeout",
+                "120",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "loadtest.json").read_text())
     levels = results["servers"]["specdecode"]["levels"]
     assert [(s["concurrency"], s["round"], s["ok"], s["errors"]) for s in levels] == [(1, 1, 12, 0), (1, 2, 12, 0)]
@@ -218,7 +265,8 @@ def test_loadtest_command_launches_our_server(tiny_dirs, tmp_path, capsys):
         f"server RSS (process and children, sampled every {first['interval_s']} s) peaked at "
         f"{second['rss_peak_mib']} MiB in round 2 of the same 12 requests against {first['rss_peak_mib']} MiB in "
         f"round 1 (before: {first['rss_before_mib']} / {second['rss_before_mib']} MiB): more than the allowed "
-        f"{LEAK_MARGIN_FRACTION:.0%} + {LEAK_MARGIN_MIB:.0f} MiB ({bound:.0f} MiB)")
+        f"{LEAK_MARGIN_FRACTION:.0%} + {LEAK_MARGIN_MIB:.0f} MiB ({bound:.0f} MiB)"
+    )
 
 
 def test_rss_of_a_process_tree_and_the_sampler():
@@ -232,11 +280,17 @@ def test_rss_of_a_process_tree_and_the_sampler():
     import psutil
 
     from specdecode.loadtest.procmem import MemorySampler, rss_bytes
+
     _proc_rss = lambda pid: psutil.Process(pid).memory_info().rss  # noqa: E731  (the process alone)
     child = "x = b'x' * (96 << 20); import time; time.sleep(60)"  # 96 MiB touched: resident
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                               f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"],
-                              start_new_session=True)  # its own process group: killed with its child below
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)",
+        ],
+        start_new_session=True,
+    )  # its own process group: killed with its child below
     try:
         deadline = time.monotonic() + 20
         while rss_bytes(parent.pid) - _proc_rss(parent.pid) < 96 << 20 and time.monotonic() < deadline:
@@ -263,14 +317,41 @@ LLAMA_SERVER = find_binary("llama-server")  # read at import: the tests' cache i
 def test_llama_server_peers_on_a_tiny_gguf(tmp_path, capsys):
     """llama.cpp's own server, plain and with the draft model, launched per level on a free port and measured."""
     from tinygguf import write_tiny_gguf
+
     target, draft = write_tiny_gguf(tmp_path / "t.gguf", 0), write_tiny_gguf(tmp_path / "d.gguf", 1)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
     out = tmp_path / "out"
-    assert main(["loadtest", "--launch", "llama-server,llama-server-draft", "--llama-server", str(LLAMA_SERVER),
-                 "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--concurrency", "2",
-                 "--max-tokens", "8", "--threads", "1", "--ctx-size", "128", "--ready-timeout", "60",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "loadtest",
+                "--launch",
+                "llama-server,llama-server-draft",
+                "--llama-server",
+                str(LLAMA_SERVER),
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--prompts",
+                str(prompts),
+                "--concurrency",
+                "2",
+                "--max-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--ctx-size",
+                "128",
+                "--ready-timeout",
+                "60",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "loadtest.json").read_text())
     for name in ("llama-server", "llama-server-draft"):
         srv = results["servers"][name]
@@ -279,9 +360,11 @@ def test_llama_server_peers_on_a_tiny_gguf(tmp_path, capsys):
         assert "-np 2 -kvu -c 256" in srv["commands"]["2"]
     assert "--spec-type draft-simple" in results["servers"]["llama-server-draft"]["commands"]["1"]
     said = "".join(capsys.readouterr())
-    order = [said.index(f"{n}, concurrency {c}:") for c, names in ((1, ("llama-server", "llama-server-draft")),
-                                                                   (2, ("llama-server-draft", "llama-server")))
-             for n in names]
+    order = [
+        said.index(f"{n}, concurrency {c}:")
+        for c, names in ((1, ("llama-server", "llama-server-draft")), (2, ("llama-server-draft", "llama-server")))
+        for n in names
+    ]
     assert order == sorted(order)  # level by level, the peers of a level back to back (the machine drifts), each
     # level starting one peer later (no peer always first)
 
@@ -290,19 +373,45 @@ LLAMA_CPP_SERVER_MISSING = llama_cpp_server_missing()
 
 
 @pytest.mark.process
-@pytest.mark.skipif(bool(LLAMA_CPP_SERVER_MISSING), reason="llama-cpp-python's server needs "
-                    f"{', '.join(LLAMA_CPP_SERVER_MISSING)} (pip install -e '.[test]')")
+@pytest.mark.skipif(
+    bool(LLAMA_CPP_SERVER_MISSING),
+    reason=f"llama-cpp-python's server needs {', '.join(LLAMA_CPP_SERVER_MISSING)} (pip install -e '.[test]')",
+)
 def test_llama_cpp_python_server_as_a_reference_peer(tmp_path, capsys):
     """`--launch llama-cpp-python`: its own server on a tiny GGUF, ready on /v1/models, streamed completions back
     through the load harness at concurrency 1 and 2 (one at a time behind its lock: none cut off), memory read."""
     from tinygguf import write_tiny_gguf
+
     target = write_tiny_gguf(tmp_path / "t.gguf", 0)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(3)))
     out = tmp_path / "out"
-    assert main(["loadtest", "--launch", "llama-cpp-python", "--target", str(target), "--prompts", str(prompts),
-                 "--concurrency", "2", "--max-tokens", "8", "--threads", "1", "--ctx-size", "128",
-                 "--ready-timeout", "60", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "loadtest",
+                "--launch",
+                "llama-cpp-python",
+                "--target",
+                str(target),
+                "--prompts",
+                str(prompts),
+                "--concurrency",
+                "2",
+                "--max-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--ctx-size",
+                "128",
+                "--ready-timeout",
+                "60",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     srv = json.loads((out / "loadtest.json").read_text())["servers"]["llama-cpp-python"]
     assert [(s["concurrency"], s["ok"], s["errors"]) for s in srv["levels"]] == [(1, 3, 0), (2, 3, 0)], srv
     assert all(r["status"] == 200 and r["chunks"] >= 1 and r["finish_reason"] for r in srv["requests"]), srv["requests"]
@@ -312,8 +421,10 @@ def test_llama_cpp_python_server_as_a_reference_peer(tmp_path, capsys):
     assert "| llama-cpp-python | 2 | 3/3 |" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"),
-                    reason="psutil's thread ids are the threads' native ids on Linux only (Mach ids on macOS)")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"),
+    reason="psutil's thread ids are the threads' native ids on Linux only (Mach ids on macOS)",
+)
 def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     """Per-thread CPU over a round: the `compute` busiest threads apart from the others (new threads from zero;
     an ended thread's time is kept in the processes' total)."""
@@ -322,6 +433,7 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     import time
 
     from specdecode.loadtest.procmem import cpu_split, thread_cpu
+
     before, done = thread_cpu(os.getpid()), threading.Event()
 
     def busy():
@@ -347,7 +459,7 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
     # the spinner among the busiest listed
     assert split["compute_cpu_s"] >= max(0.1, spun)
     assert any(seconds == spun for _, seconds in split["busiest"])
-    assert cpu_split(None, after, 1) is None and thread_cpu(2 ** 22 + 7) is None
+    assert cpu_split(None, after, 1) is None and thread_cpu(2**22 + 7) is None
     # the spinner has ended: its time stays in the total, outside the busiest (join returns before the kernel has
     # removed the thread: its task can still be listed for a moment)
     deadline = time.monotonic() + 30
@@ -355,8 +467,12 @@ def test_thread_cpu_splits_the_busiest_threads_from_the_rest():
         time.sleep(0.01)
     assert spin.native_id not in ended and cpu_split(before, ended, 0)["other_cpu_s"] >= 0.25
     made = cpu_split({1: ("a", 1.0), 2: ("b", 2.0)}, {1: ("a", 4.0), 2: ("b", 2.5), 3: ("c", 0.25)}, 1)
-    assert made == {"compute_threads": 1, "compute_cpu_s": 3.0, "other_cpu_s": 0.75,
-                    "busiest": [["a", 3.0], ["b", 0.5], ["c", 0.25]]}
+    assert made == {
+        "compute_threads": 1,
+        "compute_cpu_s": 3.0,
+        "other_cpu_s": 0.75,
+        "busiest": [["a", 3.0], ["b", 0.5], ["c", 0.25]],
+    }
 
 
 def test_like_for_like_compares_requests_of_equal_length_only():
@@ -367,15 +483,34 @@ def test_like_for_like_compares_requests_of_equal_length_only():
     def req(i, tokens, e2e, c=1, r=1):
         return {"id": i, "concurrency": c, "round": r, "tokens": tokens, "e2e_s": e2e, "error": None}
 
-    a = [req("p", 128, 4.0), req("q", 128, 5.0), req("s", 60, 1.0), req("p", 128, 9.0, c=4), req("p", 128, 1.0, r=2),
-         req("p", 100, 2.0)]  # the same prompt again in the round: paired with the other's second answer to it
-    b = [req("p", 128, 5.0), req("q", 128, 5.0), req("s", 90, 3.0), req("p", 128, 6.0, c=4), req("p", 128, 9.0, r=2),
-         {**req("t", 128, 1.0), "error": "HTTP 500"}, req("p", 100, 3.0)]
-    results = {"servers": {"A": {"requests": a, "levels": [], "mismatches": []},
-                           "B": {"requests": b, "levels": [], "mismatches": []}}}
+    a = [
+        req("p", 128, 4.0),
+        req("q", 128, 5.0),
+        req("s", 60, 1.0),
+        req("p", 128, 9.0, c=4),
+        req("p", 128, 1.0, r=2),
+        req("p", 100, 2.0),
+    ]  # the same prompt again in the round: paired with the other's second answer to it
+    b = [
+        req("p", 128, 5.0),
+        req("q", 128, 5.0),
+        req("s", 90, 3.0),
+        req("p", 128, 6.0, c=4),
+        req("p", 128, 9.0, r=2),
+        {**req("t", 128, 1.0), "error": "HTTP 500"},
+        req("p", 100, 3.0),
+    ]
+    results = {
+        "servers": {
+            "A": {"requests": a, "levels": [], "mismatches": []},
+            "B": {"requests": b, "levels": [], "mismatches": []},
+        }
+    }
     lines = like_for_like(results)
-    assert lines == ["", "B, requests of the same length as A's: c = 1: A / B time 0.846 over 3, c = 4: A / B time "
-                         "1.500 over 1"]
+    assert lines == [
+        "",
+        "B, requests of the same length as A's: c = 1: A / B time 0.846 over 3, c = 4: A / B time 1.500 over 1",
+    ]
     assert like_for_like({"servers": {"A": results["servers"]["A"]}}) == []
     results["config"] = {"max_tokens": 128, "prompts": ["x"], "n_prompts": 3, "requests": None}
     assert lines[1] in markdown(results)

@@ -1,5 +1,6 @@
 """scripts/setup.sh, the README's and CI's set-up, run against a stand-in .venv whose `pip` and `uname` only
 record what they were asked: which llama-cpp-python build each machine gets, and what an existing .venv keeps."""
+
 import os
 import subprocess
 import sys
@@ -32,8 +33,14 @@ def run_setup(tmp_path: Path, machine: str, installed: dict[str, str] = {}, extr
     fake_os, fake_arch = machine.split("/")
     env = {**os.environ, "PIP_LOG": str(log), "FAKE_OS": fake_os, "FAKE_ARCH": fake_arch}
     env.pop("VIRTUAL_ENV", None)
-    subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh"), extras], check=True, env=env, cwd=tmp_path,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "setup.sh"), extras],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+    )
     return log.read_text().splitlines()
 
 
@@ -48,7 +55,7 @@ def test_x86_linux_builds_llama_cpp_without_amx_kernels(tmp_path):
     assert calls[0] == "CMAKE_ARGS= pip install torch==2.13.0"
     assert calls[1].startswith("CMAKE_ARGS=-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS=-mno-amx-int8 ")
     assert calls[1].endswith("pip install --no-cache-dir llama-cpp-python==0.3.36")
-    assert calls[2:] == ['CMAKE_ARGS= pip install -e .[models,test]']
+    assert calls[2:] == ["CMAKE_ARGS= pip install -e .[models,test]"]
 
 
 @pytest.mark.parametrize("machine", ["Linux/aarch64", "Darwin/arm64"])

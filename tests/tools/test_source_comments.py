@@ -1,6 +1,7 @@
 """Comments and docstrings state the present reason; measurements live in docs/results/notes.md. A source comment
 that names a machine or a commit is a measurement told in the code: it fails here, unless the allow-list below names
 it with its reason; the design pages name none either. Every docs page and anchor a comment links exists."""
+
 import io
 import re
 import tokenize
@@ -8,8 +9,10 @@ import unicodedata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MACHINE = re.compile(r"\b(Xeon|EPYC|Zen ?[1-6]|Ryzen|Threadripper|Graviton|Sapphire Rapids|Genoa|Milan|"
-                     r"H100|H200|A100|A10G|RTX ?\d{4}|M[1-4] (Pro|Max|Ultra))\b")
+MACHINE = re.compile(
+    r"\b(Xeon|EPYC|Zen ?[1-6]|Ryzen|Threadripper|Graviton|Sapphire Rapids|Genoa|Milan|"
+    r"H100|H200|A100|A10G|RTX ?\d{4}|M[1-4] (Pro|Max|Ultra))\b"
+)
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")  # hex with a letter and a digit
 DOC_LINK = re.compile(r"\bdocs/([\w./-]+\.md)(?:#([\w-]+))?")
 # (path relative to the root, the word found): why that comment must name it. Only for a data table or constant
@@ -80,15 +83,18 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_the_scanner_reads_comments_and_docstrings_only():
-    text = ('"""Module docstring, measured on a Xeon."""\n'
-            'X = "Zen 4"  # a string that is data, and this comment is plain\n'
-            'def f():\n'
-            '    """Measured at commit e58bbcb."""\n'
-            '    return 1  # on an H200\n')
+    text = (
+        '"""Module docstring, measured on a Xeon."""\n'
+        'X = "Zen 4"  # a string that is data, and this comment is plain\n'
+        "def f():\n"
+        '    """Measured at commit e58bbcb."""\n'
+        "    return 1  # on an H200\n"
+    )
     assert findings({"m.py": text}, {}) == [
-        "m.py:1: names a machine (Xeon): \"\"\"Module docstring, measured on a Xeon.\"\"\"",
-        "m.py:4: names a commit (e58bbcb): \"\"\"Measured at commit e58bbcb.\"\"\"",
-        "m.py:5: names a machine (H200): # on an H200"]
+        'm.py:1: names a machine (Xeon): """Module docstring, measured on a Xeon."""',
+        'm.py:4: names a commit (e58bbcb): """Measured at commit e58bbcb."""',
+        "m.py:5: names a machine (H200): # on an H200",
+    ]
     shell = "#!/bin/sh\necho $# # Zen 4 run\n"
     assert findings({"s.sh": shell}, {}) == ["s.sh:2: names a machine (Zen 4): # Zen 4 run"]
     allowed = {("m.py", "Xeon"): "r", ("m.py", "e58bbcb"): "r", ("m.py", "H200"): "r", ("m.py", "EPYC"): "stale"}
@@ -118,6 +124,11 @@ def test_no_design_page_names_a_machine_or_a_commit():
     """docs/design describes the design; its measurements are in docs/results/notes.md."""
     pages = sorted((ROOT / "docs/design").glob("*.md"))
     assert len(pages) >= 4
-    found = [f"{p.name}:{n}: {m.group(0)}" for p in pages for n, line in enumerate(p.read_text().splitlines(), 1)
-             for rx in (MACHINE, COMMIT) for m in rx.finditer(line)]
+    found = [
+        f"{p.name}:{n}: {m.group(0)}"
+        for p in pages
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        for rx in (MACHINE, COMMIT)
+        for m in rx.finditer(line)
+    ]
     assert found == []

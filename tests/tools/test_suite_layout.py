@@ -1,5 +1,6 @@
 """The test suite's own layout: test files live in folders by contract and cost, with names that say what they
 test, and the cost markers are the registered four (`stat`, `model`, `cluster`, `process`)."""
+
 import re
 import tomllib
 from pathlib import Path
@@ -44,11 +45,17 @@ def test_tests_live_in_folders_by_contract_and_cost():
 
 def test_the_layout_check_sees_what_it_forbids():
     """Negative control: each kind of misplaced or misnamed file is caught."""
-    bad = {"test_verify.py": "directly in tests/", "misc/test_verify_law.py": "not in one of",
-           "engine/sub/test_tree_law.py": "not in one of", "engine/test_issue_numbers.py": "history",
-           "engine/test_silent_paths.py": "history", "engine/test_long_context.py": "history",
-           "serving/test_soak_run.py": "history", "engine/test_stop_words.py": "history",
-           "law/test_step12.py": "history"}
+    bad = {
+        "test_verify.py": "directly in tests/",
+        "misc/test_verify_law.py": "not in one of",
+        "engine/sub/test_tree_law.py": "not in one of",
+        "engine/test_issue_numbers.py": "history",
+        "engine/test_silent_paths.py": "history",
+        "engine/test_long_context.py": "history",
+        "serving/test_soak_run.py": "history",
+        "engine/test_stop_words.py": "history",
+        "law/test_step12.py": "history",
+    }
     for path, why in bad.items():
         errors = layout_errors([path])
         assert len(errors) == 1 and why in errors[0], (path, errors)

@@ -1,5 +1,6 @@
 """Exact mode's drafter wrapper (exactness.ExactDrafter), without models: the loop's step has no exact-mode branch, so
 what keeps a draft within the exact pass sizes is checked here."""
+
 from specdecode.drafters import Draft, Drafter
 from specdecode.exactness import ExactDrafter, ExactLimits
 

@@ -1,4 +1,5 @@
 """The lookup drafter's indexes against brute force, its errors, and greedy equality of every source."""
+
 import json
 import random
 
@@ -28,8 +29,7 @@ def brute_matches(seqs: list[list[int]], text: list[int], max_n: int):
     returns (n, {(sequence, end)}) with end the index after the occurrence."""
     for n in range(min(max_n, len(text)), 0, -1):
         pat = text[-n:]
-        hits = {(s, i + n) for s, seq in enumerate(seqs) for i in range(len(seq) - n)
-                if seq[i:i + n] == pat}
+        hits = {(s, i + n) for s, seq in enumerate(seqs) for i in range(len(seq) - n) if seq[i : i + n] == pat}
         if hits:
             return n, hits
     return 0, set()
@@ -41,7 +41,7 @@ def random_stream(rng, n, alphabet):
     while len(out) < n:
         if out and rng.random() < 0.5:
             i = rng.randrange(len(out))
-            out += out[i:i + rng.randint(2, 8)]
+            out += out[i : i + rng.randint(2, 8)]
         else:
             out.append(rng.randrange(alphabet))
     return out[:n]
@@ -58,14 +58,14 @@ def test_ngram_index_finds_what_a_scan_finds(seed):
         index.extend(s + [SEP])
     for _ in range(30):
         text = random_stream(rng, rng.randint(1, 10), 5)
-        n, ends = index.match(text, limit=10 ** 6)
+        n, ends = index.match(text, limit=10**6)
         bn, hits = brute_matches(seqs, text, 4)
         assert n == bn
         found = set()
         for e in ends:
             s = max(k for k, st in enumerate(starts) if st <= e)
             found.add((s, e - starts[s]))
-            assert index.continuation(e, 5) == seqs[s][e - starts[s]:e - starts[s] + 5]
+            assert index.continuation(e, 5) == seqs[s][e - starts[s] : e - starts[s] + 5]
         assert found == hits
         assert ends == sorted(ends, reverse=True)  # latest first
         n2, few = index.match(text, limit=3)
@@ -114,12 +114,12 @@ def test_history_against_brute_force_through_compactions(seed):
         if rng.random() < 0.3 and live:
             h.touch([rng.choice(list(live))])
         text = random_stream(rng, rng.randint(1, 6), 4)
-        n, ends = h.match(text, 10 ** 6)
+        n, ends = h.match(text, 10**6)
         ids = sorted(live)
         bn, hits = brute_matches([live[s] for s in ids], text, 3)
         assert n == bn
         got = {(h.sequence_at(e), tuple(h.index.continuation(e, 4))) for e in ends}
-        want = {(ids[s], tuple(live[ids[s]][e:e + 4])) for s, e in hits}
+        want = {(ids[s], tuple(live[ids[s]][e : e + 4])) for s, e in hits}
         assert got == want
     assert len(h.index) <= 3 * h.max_tokens + 200  # compacted now and then
 
@@ -134,14 +134,22 @@ def test_datastore_finds_what_a_scan_finds(tmp_path, seed):
     ds = Datastore(tmp_path / "ds", "fp", max_n=6)
     for _ in range(40):
         text = random_stream(rng, rng.randint(1, 9), V)
-        n, ends = ds.match(text, limit=10 ** 6)
+        n, ends = ds.match(text, limit=10**6)
         # a datastore match needs no continuation (the document may end there): brute force likewise
-        bn = next((k for k in range(min(6, len(text)), 0, -1)
-                   if any(d[i:i + k] == text[-k:] for d in docs for i in range(len(d) - k + 1))), 0)
+        bn = next(
+            (
+                k
+                for k in range(min(6, len(text)), 0, -1)
+                if any(d[i : i + k] == text[-k:] for d in docs for i in range(len(d) - k + 1))
+            ),
+            0,
+        )
         assert n == bn
         if not n:
             continue
-        want = sorted(tuple(d[i + n:i + n + 4]) for d in docs for i in range(len(d) - n + 1) if d[i:i + n] == text[-n:])
+        want = sorted(
+            tuple(d[i + n : i + n + 4]) for d in docs for i in range(len(d) - n + 1) if d[i : i + n] == text[-n:]
+        )
         got = sorted(tuple(c) for c in ds.continuations(ends, 4))
         assert got == want
         n3, few = ds.match(text, limit=3)
@@ -153,7 +161,13 @@ def test_continuation_tree_counts_and_order():
     g = continuation_tree(conts, [None] * 4, 2, "context", max_nodes=10)
     assert [(x.token, x.parent, x.depth, x.count) for x in g][:2] == [(1, -1, 1, 3), (2, 0, 2, 2)]
     assert {(x.token, x.depth, x.count, round(x.freq, 3)) for x in g} == {
-        (1, 1, 3, 0.75), (6, 1, 1, 0.25), (2, 2, 2, 0.667), (5, 2, 1, 0.333), (3, 3, 1, 0.5), (4, 3, 1, 0.5)}
+        (1, 1, 3, 0.75),
+        (6, 1, 1, 0.25),
+        (2, 2, 2, 0.667),
+        (5, 2, 1, 0.333),
+        (3, 3, 1, 0.5),
+        (4, 3, 1, 0.5),
+    }
     assert all(x.parent < i for i, x in enumerate(g))
     assert len(continuation_tree(conts, [None] * 4, 2, "context", max_nodes=3)) == 3
 
@@ -204,8 +218,10 @@ def test_index_files_errors_and_contents(tmp_path):
 
 # ============================================================= through the engine (greedy equality)
 
-TEXTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
-         "hello world, hello world, hello there world\n"]
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
+    "hello world, hello world, hello there world\n",
+]
 
 
 @pytest.fixture
@@ -284,6 +300,7 @@ def test_lookup_is_fast_on_a_large_datastore(tmp_path):
     """Lookups stay well under a millisecond per step (a correctness guard against an accidental scan:
     the timing goal itself lives in the benchmark; here a generous bound on a 2M-token store)."""
     import time
+
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 50_000, 1000).tolist() for _ in range(2000)]
     build_datastore(docs, tmp_path / "ds", "fp", vocab_size=50_000, progress=False)
@@ -302,6 +319,7 @@ def test_lookup_is_fast_on_a_large_datastore(tmp_path):
 
 def test_cli_index_and_bench_with_datastore_history_and_turns(tiny_dirs, tmp_path, capsys):
     from specdecode.cli import main
+
     target, draft = tiny_dirs
     src = tmp_path / "src"
     src.mkdir()
@@ -312,12 +330,33 @@ def test_cli_index_and_bench_with_datastore_history_and_turns(tiny_dirs, tmp_pat
     assert "no such file" in capsys.readouterr().err
     assert main(["index", str(src), "--out", str(tmp_path / "x"), "--target", str(target), "--suffixes", "md"]) == 2
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"turns": ["def add(a, b):", "again, please"], "category": "chat"}\n'
-                       '{"turns": ["abc abc", "def add(a, b):"], "category": "chat"}\n')
+    prompts.write_text(
+        '{"turns": ["def add(a, b):", "again, please"], "category": "chat"}\n'
+        '{"turns": ["abc abc", "def add(a, b):"], "category": "chat"}\n'
+    )
     out = tmp_path / "out"
-    code = main(["bench", "--prompts", str(prompts), "--methods", "pld,lookup,auto", "--all-turns",
-                 "--history-tokens", "5000", "--datastore", str(tmp_path / "ds"), "--max-new-tokens", "16",
-                 "--target", str(target), "--draft", str(draft), "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--methods",
+            "pld,lookup,auto",
+            "--all-turns",
+            "--history-tokens",
+            "5000",
+            "--datastore",
+            str(tmp_path / "ds"),
+            "--max-new-tokens",
+            "16",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert len(results["prompts"]) == 2 * 2 * 4  # prompts x turns x methods
@@ -328,5 +367,19 @@ def test_cli_index_and_bench_with_datastore_history_and_turns(tiny_dirs, tmp_pat
     assert results["config"]["history_tokens"] == 5000 and results["config"]["datastore_tokens"] > 0
     report = (out / "report.md").read_text()
     assert "## Drafters: cost and where accepted tokens came from" in report and "## By turn" in report
-    assert main(["bench", "--prompts", str(prompts), "--methods", "lookup", "--datastore", str(tmp_path / "nope"),
-                 "--target", str(target)]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "lookup",
+                "--datastore",
+                str(tmp_path / "nope"),
+                "--target",
+                str(target),
+            ]
+        )
+        == 2
+    )

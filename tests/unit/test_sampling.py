@@ -1,4 +1,5 @@
 """Unit tests for specdecode.sampling: SamplingParams validation and probs_from_logits."""
+
 from __future__ import annotations
 
 import math
@@ -125,10 +126,12 @@ def test_top_p_keeps_smallest_prefix_reaching_mass(top_p, expected):
 
 
 def test_top_p_batched_rows_are_independent():
-    logits = torch.stack([
-        _logits_from_probs([0.1, 0.4, 0.2, 0.3]),
-        _logits_from_probs([0.7, 0.1, 0.1, 0.1]),
-    ])
+    logits = torch.stack(
+        [
+            _logits_from_probs([0.1, 0.4, 0.2, 0.3]),
+            _logits_from_probs([0.7, 0.1, 0.1, 0.1]),
+        ]
+    )
     probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.6))
     expected = torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7], [1.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-7)
@@ -207,8 +210,14 @@ def test_spec_decode_error_is_value_error():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(), dict(temperature=0), dict(temperature=2), dict(temperature=0.5, top_k=0, top_p=1.0),
-     dict(temperature=1.0, top_k=1, top_p=1e-9), dict(temperature=1.0, top_p=1)],
+    [
+        dict(),
+        dict(temperature=0),
+        dict(temperature=2),
+        dict(temperature=0.5, top_k=0, top_p=1.0),
+        dict(temperature=1.0, top_k=1, top_p=1e-9),
+        dict(temperature=1.0, top_p=1),
+    ],
 )
 def test_valid_params_accepted(kwargs):
     SamplingParams(**kwargs)
@@ -229,8 +238,9 @@ def test_subnormal_temperature_and_top_p_stay_finite():
     # 5e-324 is > 0 for Python but 0 in float32: still the argmax / the top token, never nan
     logits = torch.tensor([1.0, 3.0, 2.0])
     assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=5e-324)), torch.tensor([0.0, 1.0, 0.0]))
-    assert torch.equal(probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=5e-324)),
-                       torch.tensor([0.0, 1.0, 0.0]))
+    assert torch.equal(
+        probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=5e-324)), torch.tensor([0.0, 1.0, 0.0])
+    )
 
 
 def test_argmax_is_torchs_on_ties_nan_rows_and_dtypes():
@@ -238,6 +248,7 @@ def test_argmax_is_torchs_on_ties_nan_rows_and_dtypes():
     import torch
 
     from specdecode.sampling import argmax
+
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 3, (5, 1000), generator=g).float()  # many ties: the first index wins
     x[2, 7] = float("nan")

@@ -2,6 +2,7 @@
 byte-level tokenizer, a SentencePiece-style one (leading-space pieces, byte fallback) and ids that went
 through a real chat template, with multi-byte characters split across tokens and steps; stop strings are
 applied as the whole-text algorithm applied them; and the work is linear in the output length."""
+
 from __future__ import annotations
 
 import random
@@ -15,10 +16,11 @@ from specdecode import Engine, SpecDecodeError, Stats
 from specdecode.textstream import TextStream
 from tiny import byte_tokenizer
 
-TEXT = ("Hello world: naïve café, ünïcödé — 日本語のテキスト 🙂👍🏽 and 😀 again.\n"
-        "def f(x):\n    return x ** 2  # ½ ≤ ∞")
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXT = "Hello world: naïve café, ünïcödé — 日本語のテキスト 🙂👍🏽 and 😀 again.\ndef f(x):\n    return x ** 2  # ½ ≤ ∞"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def sentencepiece_tokenizer(decoder: str = "llama") -> PreTrainedTokenizerFast:
@@ -33,19 +35,29 @@ def sentencepiece_tokenizer(decoder: str = "llama") -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     if decoder == "llama":
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
     else:
-        tok.decoder = decoders.Sequence([decoders.ByteFallback(),
-                                         decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+        tok.decoder = decoders.Sequence(
+            [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     fast.chat_template = CHATML
     return fast
 
 
-TOKENIZERS = {"byte-level": byte_tokenizer, "sentencepiece-llama": lambda: sentencepiece_tokenizer("llama"),
-              "sentencepiece-metaspace": lambda: sentencepiece_tokenizer("metaspace")}
+TOKENIZERS = {
+    "byte-level": byte_tokenizer,
+    "sentencepiece-llama": lambda: sentencepiece_tokenizer("llama"),
+    "sentencepiece-metaspace": lambda: sentencepiece_tokenizer("metaspace"),
+}
 
 
 class Counting:
@@ -67,7 +79,7 @@ def steps(ids: list[int], seed: int, most: int = 5):
     i = 0
     while i < len(ids):
         n = rng.randint(1, most)
-        yield ids[i:i + n]
+        yield ids[i : i + n]
         i += n
 
 
@@ -90,7 +102,7 @@ def whole_text_reference(decode, ids, chunks, stops):
         if cut is not None:
             text = text[:cut]
             k = len(acc)
-            while k > 1 and any(s in decode(acc[:k - 1]) for s in stops):
+            while k > 1 and any(s in decode(acc[: k - 1]) for s in stops):
                 k -= 1
             acc, finish, safe = acc[:k], "stop", len(text)
         else:
@@ -103,13 +115,13 @@ def whole_text_reference(decode, ids, chunks, stops):
                         safe -= k
                         break
         if safe > len(sent):
-            out.append(text[len(sent):safe])
+            out.append(text[len(sent) : safe])
             sent = text[:safe]
         if cut is not None:
             break
     text = decode(acc) if finish != "stop" else sent
     if len(text) > len(sent) and text.startswith(sent):
-        out.append(text[len(sent):])
+        out.append(text[len(sent) :])
     return out, text, acc
 
 
@@ -153,9 +165,11 @@ def test_through_a_chat_template(name):
     if tok.chat_template != CHATML:  # the byte-level tokenizer: give it ChatML's special tokens
         tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
         tok.chat_template = CHATML
-    messages = [{"role": "system", "content": "Réponds en français 🙂"},
-                {"role": "user", "content": "日本語で？ naïve café"},
-                {"role": "assistant", "content": "Bien sûr — 👍🏽 voilà."}]
+    messages = [
+        {"role": "system", "content": "Réponds en français 🙂"},
+        {"role": "user", "content": "日本語で？ naïve café"},
+        {"role": "assistant", "content": "Bien sûr — 👍🏽 voilà."},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nRéponds") and text.endswith("<|im_start|>assistant\n")
     ids = tok(text, add_special_tokens=False)["input_ids"]  # as Engine.encode tokenizes a chat
@@ -174,11 +188,11 @@ def test_stop_strings_as_before(name, seed):
     full = tok.decode(ids, skip_special_tokens=True)
     rng = random.Random(seed)
     start = rng.randrange(5, len(full) - 6)
-    stops = [full[start:start + rng.randint(1, 5)], "never there", full[start + 2:start + 9]]
+    stops = [full[start : start + rng.randint(1, 5)], "never there", full[start + 2 : start + 9]]
     deltas, result, counting = run(tok, ids, seed, stops=stops)
     ref_deltas, ref_text, ref_ids = whole_text_reference(counting.decode, ids, steps(ids, seed, 5), stops)
     assert deltas == ref_deltas and result.text == ref_text and result.token_ids == ref_ids
-    assert result.stats.finish_reason == "stop" and result.text == full[:full.index(stops[0])]
+    assert result.stats.finish_reason == "stop" and result.text == full[: full.index(stops[0])]
     assert "".join(deltas) == result.text
 
 
@@ -203,6 +217,7 @@ class _Chars:
 
 def _time_stream(ids, stops) -> tuple[float, TextStream]:
     import time
+
     stream = TextStream(_Chars(), ([i] for i in ids), Stats(), stops)
     t = time.perf_counter()
     deltas = list(stream)
@@ -214,6 +229,7 @@ def test_stop_string_check_is_linear_in_the_text():
     strings: a stop string of the largest allowed length costs about what no stop string costs. The check
     that scanned the last len(stop) characters at each step took seconds here."""
     from specdecode.checks import STOP_CHARS_MAX
+
     ids = [ord("a")] * 8000
     plain, _, _ = _time_stream(ids, [])
     long, stream, deltas = _time_stream(ids, ["b" * STOP_CHARS_MAX])
@@ -223,6 +239,7 @@ def test_stop_string_check_is_linear_in_the_text():
 
 def test_stop_strings_are_bounded(tiny_engine):
     from specdecode.checks import STOP_CHARS_MAX
+
     with pytest.raises(SpecDecodeError, match=f"stop strings .* at most {STOP_CHARS_MAX}"):
         tiny_engine.stream("abc", stop=["x" * (STOP_CHARS_MAX // 2), "y" * (STOP_CHARS_MAX // 2 + 1)])
     with pytest.raises(SpecDecodeError, match="stop strings"):

@@ -1,5 +1,6 @@
 """OpenAI's usage fields for a prediction (specdecode.prediction): exact counts on token lists, the server's Usage
 reading them, and the copy drafter's n-gram index in bounded memory."""
+
 from __future__ import annotations
 
 import random
@@ -16,27 +17,35 @@ P = list(range(100, 120))  # a prediction of 20 tokens
 X = [1, 2, 3, 4, 5, 6, 7, 8]  # tokens that are not in it
 
 
-@pytest.mark.parametrize("completion, counts", [
-    (P, (20, 0)),
-    (P[:8] + X[:3] + P[8:], (20, 0)),  # an insertion: every token of the prediction still appears
-    (P[:8] + P[12:], (16, 4)),  # a deletion: the 4 tokens left out
-    (P[:8] + X[:2] + P[10:], (18, 2)),  # a substitution: the 2 tokens replaced
-    (X, (0, 20)),  # a prediction wrong from the start
-    (P[:5] + X[:2] + P[5:10] + P[14:] + X[2:4], (16, 4)),  # several edits at once
-], ids=["copy", "insertion", "deletion", "substitution", "wrong", "several"])
+@pytest.mark.parametrize(
+    "completion, counts",
+    [
+        (P, (20, 0)),
+        (P[:8] + X[:3] + P[8:], (20, 0)),  # an insertion: every token of the prediction still appears
+        (P[:8] + P[12:], (16, 4)),  # a deletion: the 4 tokens left out
+        (P[:8] + X[:2] + P[10:], (18, 2)),  # a substitution: the 2 tokens replaced
+        (X, (0, 20)),  # a prediction wrong from the start
+        (P[:5] + X[:2] + P[5:10] + P[14:] + X[2:4], (16, 4)),  # several edits at once
+    ],
+    ids=["copy", "insertion", "deletion", "substitution", "wrong", "several"],
+)
 def test_a_finished_answer_counts_the_whole_prediction(completion, counts):
     assert prediction_usage(P, completion, finished=True) == counts
 
 
-@pytest.mark.parametrize("completion, counts", [
-    (P[:8], (8, 0)),  # a copy cut by max_tokens: the rest of the prediction was never reached
-    (P[:3] + X[:1] + P[4:8], (7, 1)),  # a substitution before the cut
-    (P[:3] + P[6:11], (8, 3)),  # a deletion before the cut: the completion went past the 3 tokens
-    (P[:3] + X[:2] + P[3:6], (6, 0)),  # an insertion before the cut: it reached 2 tokens less far, none rejected
-    (X, (0, 8)),  # wrong from the start: each token written could have been the prediction's next
-    (P[:5] + X[:3], (5, 3)),  # cut after 3 tokens of its own: as many of the prediction's counted as not taken
-    (P + X, (20, 0)),  # longer than the prediction: it counts no more than the prediction has
-], ids=["copy", "substitution", "deletion", "insertion", "wrong", "own-tail", "past-the-end"])
+@pytest.mark.parametrize(
+    "completion, counts",
+    [
+        (P[:8], (8, 0)),  # a copy cut by max_tokens: the rest of the prediction was never reached
+        (P[:3] + X[:1] + P[4:8], (7, 1)),  # a substitution before the cut
+        (P[:3] + P[6:11], (8, 3)),  # a deletion before the cut: the completion went past the 3 tokens
+        (P[:3] + X[:2] + P[3:6], (6, 0)),  # an insertion before the cut: it reached 2 tokens less far, none rejected
+        (X, (0, 8)),  # wrong from the start: each token written could have been the prediction's next
+        (P[:5] + X[:3], (5, 3)),  # cut after 3 tokens of its own: as many of the prediction's counted as not taken
+        (P + X, (20, 0)),  # longer than the prediction: it counts no more than the prediction has
+    ],
+    ids=["copy", "substitution", "deletion", "insertion", "wrong", "own-tail", "past-the-end"],
+)
 def test_a_cut_answer_counts_the_prediction_as_far_as_it_could_reach(completion, counts):
     assert prediction_usage(P, completion, finished=False) == counts
 
@@ -75,8 +84,12 @@ def test_stats_count_the_prediction_by_how_the_answer_ended():
 
 def test_the_server_usage_reports_the_alignment_not_the_drafting():
     from specdecode.server.protocol import Usage
-    spec = Stats(sources={"prediction": {"drafted": 30, "accepted": 12}}, accepted_prediction_tokens=20,
-                 rejected_prediction_tokens=0).as_dict()
+
+    spec = Stats(
+        sources={"prediction": {"drafted": 30, "accepted": 12}},
+        accepted_prediction_tokens=20,
+        rejected_prediction_tokens=0,
+    ).as_dict()
     d = Usage.of(5, 23, spec).completion_tokens_details
     assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (20, 0)
     d = Usage.of(5, 23, Stats().as_dict()).completion_tokens_details  # no prediction
@@ -90,7 +103,7 @@ def test_the_ngram_index_finds_every_occurrence_in_order():
     index = NgramIndex(tokens, 3)
     expected: dict[tuple, list[int]] = {}
     for end in range(3, len(tokens) + 1):
-        expected.setdefault(tuple(tokens[end - 3:end]), []).append(end)
+        expected.setdefault(tuple(tokens[end - 3 : end]), []).append(end)
     for key, ends in expected.items():
         assert list(index.get(key)) == ends
     assert not index.get((7, 7, 7)) and not index.get((1, 2)) and len(index) == len(tokens) - 2

@@ -1,4 +1,5 @@
 """Deterministic tests for specdecode.verify.verify (the speculative sampling rule)."""
+
 from __future__ import annotations
 
 import pytest
@@ -173,18 +174,22 @@ def test_p_equal_q_always_accepts_all(seed):
 
 def test_batch_rows_with_different_acceptance_counts():
     V = 5
-    draft = torch.tensor([
-        [1, 2, 3],  # all accepted -> bonus
-        [1, 2, 0],  # rejected at position 2
-        [4, 2, 3],  # rejected at position 0
-        [1, 0, 3],  # rejected at position 1
-    ])
-    target = torch.tensor([
-        [1, 2, 3, 4],
-        [1, 2, 3, 0],
-        [1, 2, 3, 4],
-        [1, 2, 3, 4],
-    ])
+    draft = torch.tensor(
+        [
+            [1, 2, 3],  # all accepted -> bonus
+            [1, 2, 0],  # rejected at position 2
+            [4, 2, 3],  # rejected at position 0
+            [1, 0, 3],  # rejected at position 1
+        ]
+    )
+    target = torch.tensor(
+        [
+            [1, 2, 3, 4],
+            [1, 2, 3, 0],
+            [1, 2, 3, 4],
+            [1, 2, 3, 4],
+        ]
+    )
     p = one_hot(target, V)
     for q in (None, one_hot(draft, V)):
         accepted, next_token = verify(p, q, draft, gen(4))
@@ -194,14 +199,18 @@ def test_batch_rows_with_different_acceptance_counts():
 
 def test_batch_rows_use_their_own_distributions():
     # row 0: p == q (accept everything); row 1: disjoint (never accept)
-    p = torch.tensor([
-        [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0], [0, 0, 0, 1.0]],
-        [[0, 0, 0.5, 0.5], [0, 0, 0.5, 0.5], [1.0, 0, 0, 0]],
-    ])
-    q = torch.tensor([
-        [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0]],
-        [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0]],
-    ])
+    p = torch.tensor(
+        [
+            [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0], [0, 0, 0, 1.0]],
+            [[0, 0, 0.5, 0.5], [0, 0, 0.5, 0.5], [1.0, 0, 0, 0]],
+        ]
+    )
+    q = torch.tensor(
+        [
+            [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0]],
+            [[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0]],
+        ]
+    )
     draft = torch.tensor([[1, 0], [0, 1]])
     for seed in range(10):
         accepted, next_token = verify(p, q, draft, gen(seed))
@@ -283,6 +292,7 @@ def test_verify_greedy_is_the_tree_rule_on_one_hot_rows():
     import random
 
     from specdecode.verify import verify_greedy, verify_tree
+
     rng = random.Random(0)
     V = 6
     for trial in range(3000):

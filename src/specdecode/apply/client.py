@@ -1,5 +1,6 @@
 """`specdecode apply --server URL`: the same request sent to a running `specdecode serve` through its OpenAI API
 (/v1/chat/completions with `prediction`), read with the standard library alone (no model, no torch here)."""
+
 from __future__ import annotations
 
 import json
@@ -44,14 +45,29 @@ def request_body(args, model: str, messages: list[dict], prediction: str | None,
     context) and the speculation the command line asked for."""
     spec = {"method": method}
     if method != "autoregressive":
-        spec.update(gamma=args.gamma, **{k: getattr(args, f"tree_{k}") for k in ("width", "depth", "nodes")
-                                          if getattr(args, f"tree_{k}") is not None})
+        spec.update(
+            gamma=args.gamma,
+            **{
+                k: getattr(args, f"tree_{k}")
+                for k in ("width", "depth", "nodes")
+                if getattr(args, f"tree_{k}") is not None
+            },
+        )
     if args.exact:
         spec["exact"] = True
-    body = {"model": model, "messages": messages, "temperature": args.temperature, "top_p": args.top_p,
-            "speculation": spec}
-    optional = {"max_tokens": args.max_new_tokens, "seed": args.seed, "top_k": args.top_k or None,
-                "prediction": None if prediction is None else {"type": "content", "content": prediction}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "speculation": spec,
+    }
+    optional = {
+        "max_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "top_k": args.top_k or None,
+        "prediction": None if prediction is None else {"type": "content", "content": prediction},
+    }
     return body | {k: v for k, v in optional.items() if v is not None}
 
 
@@ -66,8 +82,10 @@ def ask(args, messages: list[dict], prediction: str) -> tuple[dict, dict | None,
     """The server's chat completion (and plain decoding's, with --compare), as JSON, and where it ran."""
     given = [f"--{name.replace('_', '-')}" for name in LOCAL_ONLY if getattr(args, name, None) is not None]
     if given or args.route:
-        raise SpecDecodeError(f"{', '.join(given + ['--route'] * args.route)}: the server's models are its own; "
-                              "leave these out with --server")
+        raise SpecDecodeError(
+            f"{', '.join(given + ['--route'] * args.route)}: the server's models are its own; "
+            "leave these out with --server"
+        )
     root, key = base_url(args.server), args.api_key or os.environ.get("SPECDECODE_API_KEY")
     model = args.model or first_model(call(f"{root}/v1/models", key=key), root)
     chat = f"{root}/v1/chat/completions"

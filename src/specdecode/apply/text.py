@@ -1,6 +1,7 @@
 """What `specdecode apply` does to text: the request (the file in a chat prompt that asks for the whole updated file
 in one code block, and that block as the prediction), the new file taken from the answer's code block, the unified
 diff, and the file replaced in place with a backup. Plain functions of strings and files, no model."""
+
 from __future__ import annotations
 
 import difflib
@@ -13,11 +14,36 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 
-LANGUAGES = {".py": "python", ".js": "javascript", ".ts": "typescript", ".tsx": "tsx", ".jsx": "jsx", ".rs": "rust",
-             ".go": "go", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".hpp": "cpp", ".java": "java",
-             ".kt": "kotlin", ".rb": "ruby", ".php": "php", ".cs": "csharp", ".swift": "swift", ".sh": "bash",
-             ".sql": "sql", ".html": "html", ".css": "css", ".md": "markdown", ".json": "json", ".yaml": "yaml",
-             ".yml": "yaml", ".toml": "toml", ".xml": "xml"}
+LANGUAGES = {
+    ".py": "python",
+    ".js": "javascript",
+    ".ts": "typescript",
+    ".tsx": "tsx",
+    ".jsx": "jsx",
+    ".rs": "rust",
+    ".go": "go",
+    ".c": "c",
+    ".h": "c",
+    ".cc": "cpp",
+    ".cpp": "cpp",
+    ".hpp": "cpp",
+    ".java": "java",
+    ".kt": "kotlin",
+    ".rb": "ruby",
+    ".php": "php",
+    ".cs": "csharp",
+    ".swift": "swift",
+    ".sh": "bash",
+    ".sql": "sql",
+    ".html": "html",
+    ".css": "css",
+    ".md": "markdown",
+    ".json": "json",
+    ".yaml": "yaml",
+    ".yml": "yaml",
+    ".toml": "toml",
+    ".xml": "xml",
+}
 BACKUP_SUFFIX = ".orig"
 ANSWER_MARGIN = 64  # tokens the answer may take beyond 1.5x the file's: the fence lines and an edit that adds text
 
@@ -33,6 +59,7 @@ class NoCodeBlock(SpecDecodeError):
 @dataclass
 class Source:
     """The file being edited: its text with "\\n" line ends and no byte-order mark, and how to write it back."""
+
     path: Path
     text: str
     crlf: bool = False
@@ -55,8 +82,9 @@ def read_source(path: str | Path) -> Source:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SpecDecodeError(f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                              "apply edits text files") from None
+        raise SpecDecodeError(
+            f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); apply edits text files"
+        ) from None
     if "\x00" in text:
         raise SpecDecodeError(f"{path} holds NUL bytes: a binary file, not text; apply edits text files")
     bom = text.startswith("\ufeff")
@@ -81,9 +109,11 @@ def build_request(source: Source, instruction: str) -> tuple[list[dict], str]:
     fence, lang = fence_for(source.text), LANGUAGES.get(source.path.suffix.lower(), "")
     block = fenced(source.text, lang, fence)
     name = source.path.name
-    prompt = (f"Here is the file `{name}`:\n\n{block}\n\nInstruction: {instruction.strip()}\n\n"
-              f"Apply the instruction to the file. Reply with the whole updated file in one {fence}{lang} code block: "
-              "every line of it, changed or not, and nothing after the block.")
+    prompt = (
+        f"Here is the file `{name}`:\n\n{block}\n\nInstruction: {instruction.strip()}\n\n"
+        f"Apply the instruction to the file. Reply with the whole updated file in one {fence}{lang} code block: "
+        "every line of it, changed or not, and nothing after the block."
+    )
     return [{"role": "user", "content": prompt}], block
 
 
@@ -101,7 +131,7 @@ def _blocks(answer: str) -> list[tuple[str, bool]]:
             if close and close.group(1)[0] == fence[0] and len(close.group(1)) >= len(fence):
                 break
             line = lines[i]
-            body.append(line[min(indent, len(line) - len(line.lstrip(" "))):])  # the fence's indent, as CommonMark
+            body.append(line[min(indent, len(line) - len(line.lstrip(" "))) :])  # the fence's indent, as CommonMark
             i += 1
         out.append(("".join(body), i < len(lines)))
         i += 1
@@ -116,8 +146,10 @@ def extract_block(answer: str) -> str:
         raise NoCodeBlock("the model's answer has no fenced code block, so there is nothing to apply")
     text, closed = max(blocks, key=lambda b: len(b[0]))
     if not closed:
-        raise NoCodeBlock("the model's answer stopped inside its code block (its closing fence never came), so the "
-                          "file would be cut short")
+        raise NoCodeBlock(
+            "the model's answer stopped inside its code block (its closing fence never came), so the "
+            "file would be cut short"
+        )
     return text
 
 
@@ -131,8 +163,9 @@ def match_final_newline(new: str, old: str) -> str:
 def unified_diff(old: str, new: str, name: str) -> str:
     """`diff -u` of two texts as `git diff` writes it: a/ and b/ names, "\\ No newline at end of file" where due."""
     out = []
-    for line in difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
-                                     f"a/{name}", f"b/{name}"):
+    for line in difflib.unified_diff(
+        old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{name}", f"b/{name}"
+    ):
         out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(out)
 
@@ -161,6 +194,8 @@ def answer_budget(file_tokens: int, prompt_tokens: int, context: int) -> int:
     """The default max_new_tokens: room for the file once and a half and a margin, within the context."""
     room = context - prompt_tokens
     if room <= 0:
-        raise SpecDecodeError(f"the prompt (the file and the instruction) has {prompt_tokens} tokens; the model's "
-                              f"context holds {context}, so no answer fits")
+        raise SpecDecodeError(
+            f"the prompt (the file and the instruction) has {prompt_tokens} tokens; the model's "
+            f"context holds {context}, so no answer fits"
+        )
     return min(room, file_tokens * 3 // 2 + ANSWER_MARGIN)

@@ -7,6 +7,7 @@ outside `backends/` asks the LM, never which backend it is (`backend` is a label
 A backend subclasses LM (explicitly, so that it inherits the defaults); loading.py loads it, and its
 `as_lm` wraps a Hugging Face model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,12 +31,14 @@ def common_start(held: list[int], ids: list[int], most: int) -> int:
 def no_autograd(fn):
     """fn under torch.inference_mode(), entered only where it is off: the loop turns it on once per step, and each
     entry costs about 3 us of Python where a step makes several passes and rollbacks."""
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if torch.is_inference_mode_enabled():
             return fn(*args, **kwargs)
         with torch.inference_mode():
             return fn(*args, **kwargs)
+
     return run
 
 
@@ -46,6 +49,7 @@ class LM(Protocol):
 
     Cache index space: entry i of the cache holds the keys/values of ids[i]; entries [0, trunk) are
     committed text at positions 0.., the rest a tree of drafted tokens, each with its parent entry."""
+
     backend: str  # "torch" | "llama.cpp": a label for reports and logs; nothing branches on it
     name: str
     vocab_size: int  # rows of the output layer: logits are [n, vocab_size]
@@ -64,8 +68,10 @@ class LM(Protocol):
     hf_model = None  # the Hugging Face model behind it (torch), for transformers' own generation; None: none
     exact: bool = False  # loaded so that passes can be bit-exact (exactness.py measures which); llama.cpp: exact=True
     # why several generations cannot share its passes (continuous batching, slots()); None: they can (llama.cpp)
-    batch_error: str | None = ("continuous batching (several generations in one pass) needs the llama.cpp backend; "
-                               "this backend runs one generation at a time")
+    batch_error: str | None = (
+        "continuous batching (several generations in one pass) needs the llama.cpp backend; "
+        "this backend runs one generation at a time"
+    )
 
     def forward(self, new_ids: list[int], last_only: bool = False, parents: list[int] | None = None) -> torch.Tensor:
         """Append new_ids to the cache in one pass; float32 logits [n, V] (the last row only with
@@ -87,6 +93,7 @@ class LM(Protocol):
         """The text cached now was read as a prompt (in passes of the backend's batch); a method, so that wrappers
         that pass every other attribute on (certify.RowRecorder) set it on the LM itself."""
         self.prompt_read = len(self)
+
     # exact mode: every pass padded to at least this many rows, so a 1-token step runs the kernels a k-token pass
     # runs (exactness.py measures whether that makes k-token passes exact, and whether it costs too much); the
     # padding's cells are dropped before forward returns. can_pad: the backend honours it (torch)
@@ -164,8 +171,10 @@ class LM(Protocol):
     def output_truncation_error(self) -> str | None:
         """Why this model's output layer cannot be truncated (FR-Spec's draft vocabulary); None if it can.
         The default: it cannot (a backend whose graph computes the whole output layer)."""
-        return ("a truncated draft vocabulary needs the torch backend: llama.cpp computes the whole output "
-                "layer in its graph")
+        return (
+            "a truncated draft vocabulary needs the torch backend: llama.cpp computes the whole output "
+            "layer in its graph"
+        )
 
     def truncate_output(self, keep: torch.Tensor) -> None:
         """Keep only these rows (sorted token ids) of the output layer: logits are then [n, len(keep)].
@@ -187,4 +196,3 @@ class LM(Protocol):
         start = len(self)
         self.forward(list(ids) + [filler] * (size - len(ids)))
         self.rollback(start + len(ids))
-

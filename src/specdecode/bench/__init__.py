@@ -9,6 +9,7 @@ table's flags say how it is summed up); a new peer is a name in peers.PEERS and 
 
 Its names load on first use (PEP 562): `specdecode bench`'s parser, built for every command, loads no torch.
 """
+
 from ..lazy import lazy_names
 
 # each public name and the module (in this package, or launch/) that defines it
@@ -17,14 +18,34 @@ _EXPORTS = {
     **dict.fromkeys(("BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "has_flag", "hf_assisted"), ".peers"),
     **dict.fromkeys(("plot_acceptance", "plot_speedup", "report", "write_outputs"), ".report"),
     **dict.fromkeys(("check_methods", "default_methods", "needs_draft_model", "parse_methods", "run_bench"), ".run"),
-    **dict.fromkeys(("alpha_from_counts", "analytic_bound", "cost_model_bound", "decode_rate", "summarize"),
-                    ".summary"),
+    **dict.fromkeys(
+        ("alpha_from_counts", "analytic_bound", "cost_model_bound", "decode_rate", "summarize"), ".summary"
+    ),
 }
 
-__all__ = ["BENCH_METHODS", "DRAFT_PEERS", "PEERS", "LlamaPeer", "has_flag", "hf_assisted", "plot_acceptance",
-           "plot_speedup", "report", "write_outputs", "check_methods", "default_methods", "load_prompts",
-           "needs_draft_model", "parse_methods", "run_bench", "alpha_from_counts", "analytic_bound",
-           "cost_model_bound", "decode_rate", "summarize"]
+__all__ = [
+    "BENCH_METHODS",
+    "DRAFT_PEERS",
+    "PEERS",
+    "LlamaPeer",
+    "has_flag",
+    "hf_assisted",
+    "plot_acceptance",
+    "plot_speedup",
+    "report",
+    "write_outputs",
+    "check_methods",
+    "default_methods",
+    "load_prompts",
+    "needs_draft_model",
+    "parse_methods",
+    "run_bench",
+    "alpha_from_counts",
+    "analytic_bound",
+    "cost_model_bound",
+    "decode_rate",
+    "summarize",
+]
 
 
 __getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

@@ -5,6 +5,7 @@ context of c cached tokens is max over the timed sizes k of k / T(k, c). Summed 
 the context it is written at, this gives the decode time no drafter can beat on these costs; the bench reports it
 beside `auto` with the share of the answer that copies the prediction (OpenAI's accepted_prediction_tokens).
 """
+
 from __future__ import annotations
 
 from ..planning.costs import CostModel

@@ -9,6 +9,7 @@ Protocol, one JSON object per line: the parent writes the settings, the child an
 each request {"prompt_ids", "max_new_tokens", "eos"} is answered {"token_ids", "new_tokens", "wall_s",
 "ttft_s"} or {"error": "..."}; end of input ends the child. Times are taken here, around the generation only,
 as our engine's are."""
+
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ def main() -> None:
     import llama_cpp.llama_cpp as c
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
     if not cfg["repack"]:  # as our target runs: llama.cpp's extra (repacked, AMX) weight buffers off
         default = c.llama_model_default_params
 
@@ -29,11 +31,18 @@ def main() -> None:
             p = default()
             p.use_extra_bufts = False
             return p
+
         c.llama_model_default_params = params
     try:
-        llm = Llama(model_path=cfg["model_path"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
-                    n_threads_batch=cfg["threads"], n_gpu_layers=0, verbose=False,
-                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if cfg["pld"] else None)
+        llm = Llama(
+            model_path=cfg["model_path"],
+            n_ctx=cfg["n_ctx"],
+            n_threads=cfg["threads"],
+            n_threads_batch=cfg["threads"],
+            n_gpu_layers=0,
+            verbose=False,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if cfg["pld"] else None,
+        )
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         replies.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         return

@@ -1,6 +1,7 @@
 """Other tools' decoders, measured in the same bench run: llama-cpp-python's own generation (plain, and
 with its prompt lookup), transformers' assisted generation with our draft model, and llama.cpp's own
 llama-server (plain, with our draft model, with its n-gram speculation: server_peer.py)."""
+
 from __future__ import annotations
 
 import json
@@ -37,17 +38,28 @@ class LlamaPeer:
     def __init__(self, engine: Engine, pld: bool, log_dir: str | Path = "bench-out/logs"):
         from ..host import user_env
         from ..launch.servers import DEFAULT_CTX
+
         lm = engine.target
         self.eos = sorted(engine.eos_ids)
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log = log_dir / f"llama-cpp-python{'-pld' if pld else ''}.log"
         with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("llama_peer_child.py"))],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         env=user_env())  # as a user starts it (no huge pages asked for by us)
-        cfg = dict(model_path=str(lm.gguf_path), n_ctx=min(lm.max_length, DEFAULT_CTX), threads=lm.threads,
-                   repack=bool(lm.repack), pld=pld)  # repack: off where this build's AMX kernels crash, as ours
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("llama_peer_child.py"))],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=user_env(),
+            )  # as a user starts it (no huge pages asked for by us)
+        cfg = dict(
+            model_path=str(lm.gguf_path),
+            n_ctx=min(lm.max_length, DEFAULT_CTX),
+            threads=lm.threads,
+            repack=bool(lm.repack),
+            pld=pld,
+        )  # repack: off where this build's AMX kernels crash, as ours
         try:
             self._ask(cfg)
         except BaseException:
@@ -63,8 +75,9 @@ class LlamaPeer:
             line = ""
         if not line:
             tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
-            raise SpecDecodeError(f"the llama-cpp-python peer's process ended (exit {self.proc.poll()}); "
-                                  f"its log {self.log}:\n{tail}")
+            raise SpecDecodeError(
+                f"the llama-cpp-python peer's process ended (exit {self.proc.poll()}); its log {self.log}:\n{tail}"
+            )
         reply = json.loads(line)
         if "error" in reply:
             raise SpecDecodeError(f"the llama-cpp-python peer failed: {reply['error']}")
@@ -85,10 +98,12 @@ class LlamaPeer:
                 self.proc.wait()
 
 
-def hf_assisted(engine: Engine, prompt_ids: list[int], gamma: int, max_new_tokens: int,
-                temperature: float, seed: int | None) -> dict:
+def hf_assisted(
+    engine: Engine, prompt_ids: list[int], gamma: int, max_new_tokens: int, temperature: float, seed: int | None
+) -> dict:
     """The peer: transformers' assisted generation with the same models (its default schedule)."""
     import torch
+
     target, draft = engine.target.hf_model, engine.draft_model.lm.hf_model
     x = torch.tensor([prompt_ids], device=engine.target.device)
     # neutral settings, so that a checkpoint's own generation config (repetition penalty, top-p...) does
@@ -99,10 +114,16 @@ def hf_assisted(engine: Engine, prompt_ids: list[int], gamma: int, max_new_token
         torch.manual_seed(seed)
     draft.generation_config.num_assistant_tokens = gamma
     t = time.perf_counter()
-    out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=draft, max_new_tokens=max_new_tokens,
-                          eos_token_id=sorted(engine.eos_ids) or None,
-                          pad_token_id=min(engine.eos_ids, default=None), **kwargs)
+    out = target.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        assistant_model=draft,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(engine.eos_ids) or None,
+        pad_token_id=min(engine.eos_ids, default=None),
+        **kwargs,
+    )
     wall = time.perf_counter() - t
-    ids = out[0, len(prompt_ids):].tolist()
+    ids = out[0, len(prompt_ids) :].tolist()
     # generate() returns everything at once: no time to first token (so no decode speed either)
     return {"token_ids": ids, "new_tokens": len(ids), "wall_s": wall, "ttft_s": None}

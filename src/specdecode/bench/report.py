@@ -1,4 +1,5 @@
 """A bench run's results as files: results.json, report.md (tables) and two plots."""
+
 from __future__ import annotations
 
 import json
@@ -19,24 +20,39 @@ def _f(x, fmt="{:.2f}"):
     return "–" if x is None else fmt.format(x)
 
 
-_SPEED_HEAD = ("TTFT s | decode tok/s | overall tok/s | decode speedup | overall speedup | vs llama.cpp overall | "
-               "vs llama.cpp decode")
+_SPEED_HEAD = (
+    "TTFT s | decode tok/s | overall tok/s | decode speedup | overall speedup | vs llama.cpp overall | "
+    "vs llama.cpp decode"
+)
 
 
 def _speed_cells(r: dict) -> str:
     """The cells of _SPEED_HEAD for a method's (or a category's) speeds."""
     vs = r.get("vs_llama_cpp") or {}
-    return (f"{_f(r.get('ttft_s'), '{:.3f}')} | {_f(r.get('decode_tokens_per_second'))} | "
-            f"{_f(r.get('tokens_per_second'))} | {_f(r.get('decode_speedup'), '{:.2f}x')} | "
-            f"{_f(r.get('speedup'), '{:.2f}x')} | {_f(vs.get('overall'), '{:.2f}x')} | "
-            f"{_f(vs.get('decode'), '{:.2f}x')}")
+    return (
+        f"{_f(r.get('ttft_s'), '{:.3f}')} | {_f(r.get('decode_tokens_per_second'))} | "
+        f"{_f(r.get('tokens_per_second'))} | {_f(r.get('decode_speedup'), '{:.2f}x')} | "
+        f"{_f(r.get('speedup'), '{:.2f}x')} | {_f(vs.get('overall'), '{:.2f}x')} | "
+        f"{_f(vs.get('decode'), '{:.2f}x')}"
+    )
 
 
 def report(results: dict) -> str:
     """report.md: the main table, then a section per aspect (each empty where the run has nothing for it)."""
     lines: list[str] = []
-    for section in (_head, _speeds, _speedup_by_category, _drafters, _engines, _turns, _pass_costs, _auto, _copies,
-                    _tree, _per_prompt):
+    for section in (
+        _head,
+        _speeds,
+        _speedup_by_category,
+        _drafters,
+        _engines,
+        _turns,
+        _pass_costs,
+        _auto,
+        _copies,
+        _tree,
+        _per_prompt,
+    ):
         lines += section(results)
     return "\n".join(lines) + "\n"
 
@@ -44,32 +60,47 @@ def report(results: dict) -> str:
 def _head(results: dict) -> list[str]:
     """The run's settings and the main table: speed, τ, acceptance, the bounds."""
     cfg = results["config"]
-    lines = ["# specdecode bench\n",
-             f"{cfg['prompts']} prompts, max_new_tokens={cfg['max_new_tokens']}, gamma={cfg['gamma']}, "
-             f"temperature={cfg['temperature']}, {cfg.get('backend', 'torch')} backend on {cfg['device']}: target "
-             f"{cfg.get('target', '?')} ({cfg['dtype']}), draft {cfg.get('draft') or '–'} "
-             f"({cfg.get('draft_dtype') or '–'}), "
-             f"{cfg.get('threads', cfg['torch_threads'])} threads\n",
-             f"CPU: {cfg.get('cpu', 'n/a')}\n",
-             *([f"Memory: {cfg['memory']}\n"] if cfg.get("memory") else []),
-             *([f"Lookup sources: datastore {cfg['datastore']} ({cfg['datastore_tokens']:,} tokens)"
+    lines = [
+        "# specdecode bench\n",
+        f"{cfg['prompts']} prompts, max_new_tokens={cfg['max_new_tokens']}, gamma={cfg['gamma']}, "
+        f"temperature={cfg['temperature']}, {cfg.get('backend', 'torch')} backend on {cfg['device']}: target "
+        f"{cfg.get('target', '?')} ({cfg['dtype']}), draft {cfg.get('draft') or '–'} "
+        f"({cfg.get('draft_dtype') or '–'}), "
+        f"{cfg.get('threads', cfg['torch_threads'])} threads\n",
+        f"CPU: {cfg.get('cpu', 'n/a')}\n",
+        *([f"Memory: {cfg['memory']}\n"] if cfg.get("memory") else []),
+        *(
+            [
+                f"Lookup sources: datastore {cfg['datastore']} ({cfg['datastore_tokens']:,} tokens)"
                 + (f"; history {cfg['history_tokens']:,} tokens per method" if cfg.get("history_tokens") else "")
-                + "\n"]
-               if cfg.get("datastore") else [f"Lookup sources: history {cfg['history_tokens']:,} tokens per method\n"]
-               if cfg.get("history_tokens") else []),
-             *([f"Draft output layer: {cfg['draft_vocab']:,} rows (FR-Spec)\n"] if cfg.get("draft_vocab") else []),
-             *([f"Reused runs: {reused} (a peer on a prompt it had answered in this run, sent again with another "
-                "prediction, which peers do not read: each counts with the first run's answer and seconds)\n"]
-               if (reused := sum(bool(r.get("reused")) for r in results.get("prompts", []))) else []),
-             "| method | tok/s | speedup vs autoregressive | tokens per target pass (τ) | acceptance rate | α | "
-             "draft cost c | verify cost v | Leviathan bound | efficiency | bound with measured v | greedy agreement |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                + "\n"
+            ]
+            if cfg.get("datastore")
+            else [f"Lookup sources: history {cfg['history_tokens']:,} tokens per method\n"]
+            if cfg.get("history_tokens")
+            else []
+        ),
+        *([f"Draft output layer: {cfg['draft_vocab']:,} rows (FR-Spec)\n"] if cfg.get("draft_vocab") else []),
+        *(
+            [
+                f"Reused runs: {reused} (a peer on a prompt it had answered in this run, sent again with another "
+                "prediction, which peers do not read: each counts with the first run's answer and seconds)\n"
+            ]
+            if (reused := sum(bool(r.get("reused")) for r in results.get("prompts", [])))
+            else []
+        ),
+        "| method | tok/s | speedup vs autoregressive | tokens per target pass (τ) | acceptance rate | α | "
+        "draft cost c | verify cost v | Leviathan bound | efficiency | bound with measured v | greedy agreement |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for m, r in results["methods"].items():
-        lines.append(f"| {m} | {_f(r['tokens_per_second'])} | {_f(r['speedup'], '{:.2f}x')} | "
-                     f"{_f(r['mean_accepted_tokens'])} | {_f(r['acceptance_rate'], '{:.1%}')} | {_f(r['alpha'])} | "
-                     f"{_f(r['draft_cost_ratio'], '{:.3f}')} | {_f(r['verify_cost_ratio'])} | "
-                     f"{_f(r['analytic_bound'], '{:.2f}x')} | {_f(r['efficiency'], '{:.0%}')} | "
-                     f"{_f(r.get('cost_model_bound'), '{:.2f}x')} | {_f(r['greedy_agreement'], '{:.0%}')} |")
+        lines.append(
+            f"| {m} | {_f(r['tokens_per_second'])} | {_f(r['speedup'], '{:.2f}x')} | "
+            f"{_f(r['mean_accepted_tokens'])} | {_f(r['acceptance_rate'], '{:.1%}')} | {_f(r['alpha'])} | "
+            f"{_f(r['draft_cost_ratio'], '{:.3f}')} | {_f(r['verify_cost_ratio'])} | "
+            f"{_f(r['analytic_bound'], '{:.2f}x')} | {_f(r['efficiency'], '{:.0%}')} | "
+            f"{_f(r.get('cost_model_bound'), '{:.2f}x')} | {_f(r['greedy_agreement'], '{:.0%}')} |"
+        )
     return lines
 
 
@@ -77,16 +108,22 @@ def _speeds(results: dict) -> list[str]:
     """Prefill and decoding: TTFT, decode and overall speed (by category too)."""
     cats = sorted({c for r in results["methods"].values() for c in r.get("by_category", {})})
     lines: list[str] = []
-    lines += ["\n## Prefill and decoding\n",
-              "TTFT: mean seconds to the first token (the prefill included). Decode tok/s: tokens after each run's "
-              "first / seconds after it. Overall tok/s: all tokens / all seconds. vs llama.cpp: against "
-              "llama-cpp-python's own plain generation in the same run.\n",
-              "| method | " + _SPEED_HEAD + " |", "|---" * 8 + "|"]
+    lines += [
+        "\n## Prefill and decoding\n",
+        "TTFT: mean seconds to the first token (the prefill included). Decode tok/s: tokens after each run's "
+        "first / seconds after it. Overall tok/s: all tokens / all seconds. vs llama.cpp: against "
+        "llama-cpp-python's own plain generation in the same run.\n",
+        "| method | " + _SPEED_HEAD + " |",
+        "|---" * 8 + "|",
+    ]
     for m, r in results["methods"].items():
         lines.append(f"| {m} | {_speed_cells(r)} |")
     if cats:
-        lines += ["\n### Prefill and decoding by category\n", "| category | method | " + _SPEED_HEAD + " |",
-                  "|---" * 9 + "|"]
+        lines += [
+            "\n### Prefill and decoding by category\n",
+            "| category | method | " + _SPEED_HEAD + " |",
+            "|---" * 9 + "|",
+        ]
         for c in cats:
             for m, r in results["methods"].items():
                 if c in r.get("by_category", {}):
@@ -111,12 +148,15 @@ def _drafters(results: dict) -> list[str]:
     lines: list[str] = []
     srcs = [m for m, r in results["methods"].items() if r.get("sources") or r.get("draft_cost_per_pass") is not None]
     if srcs:
-        lines += ["\n## Drafters: cost and where accepted tokens came from\n",
-                  "Draft cost per pass: the drafter's time per target pass, in plain decoding steps. Per source: "
-                  "tokens drafted, accepted, and the acceptance rate.\n",
-                  "| method | draft cost per pass | " + " | ".join(("draft model", "context", "history", "datastore",
-                                                                  "prediction")) + " |",
-                  "|---" * 7 + "|"]
+        lines += [
+            "\n## Drafters: cost and where accepted tokens came from\n",
+            "Draft cost per pass: the drafter's time per target pass, in plain decoding steps. Per source: "
+            "tokens drafted, accepted, and the acceptance rate.\n",
+            "| method | draft cost per pass | "
+            + " | ".join(("draft model", "context", "history", "datastore", "prediction"))
+            + " |",
+            "|---" * 7 + "|",
+        ]
         for m in srcs:
             r = results["methods"][m]
             cells = []
@@ -132,9 +172,11 @@ def _engines(results: dict) -> list[str]:
     rows = [(m, r["engines"]) for m, r in results["methods"].items() if r.get("engines")]
     if not rows:
         return []
-    return ["\n## Engines (--route: each prompt on the engine its measured costs predict faster)\n",
-            "| method | prompts per engine |", "|---|---|"] + \
-        [f"| {m} | " + ", ".join(f"{e} {n}" for e, n in d.items()) + " |" for m, d in rows]
+    return [
+        "\n## Engines (--route: each prompt on the engine its measured costs predict faster)\n",
+        "| method | prompts per engine |",
+        "|---|---|",
+    ] + [f"| {m} | " + ", ".join(f"{e} {n}" for e, n in d.items()) + " |" for m, d in rows]
 
 
 def _turns(results: dict) -> list[str]:
@@ -142,13 +184,17 @@ def _turns(results: dict) -> list[str]:
     lines: list[str] = []
     turns = sorted({t for r in results["methods"].values() for t in r.get("by_turn", {})})
     if turns:
-        lines += ["\n## By turn (each conversation goes on after the method's own earlier answers)\n",
-                  "| method | " + " | ".join(f"turn {t}: tok/s | turn {t}: tokens per pass" for t in turns) + " |",
-                  "|---" * (2 * len(turns) + 1) + "|"]
+        lines += [
+            "\n## By turn (each conversation goes on after the method's own earlier answers)\n",
+            "| method | " + " | ".join(f"turn {t}: tok/s | turn {t}: tokens per pass" for t in turns) + " |",
+            "|---" * (2 * len(turns) + 1) + "|",
+        ]
         for m, r in results["methods"].items():
             bt = r.get("by_turn", {})
-            cells = (f"{_f(bt.get(t, {}).get('tokens_per_second'))} | {_f(bt.get(t, {}).get('mean_accepted_tokens'))}"
-                     for t in turns)
+            cells = (
+                f"{_f(bt.get(t, {}).get('tokens_per_second'))} | {_f(bt.get(t, {}).get('mean_accepted_tokens'))}"
+                for t in turns
+            )
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
@@ -160,20 +206,27 @@ def _pass_costs(results: dict) -> list[str]:
     costs = cfg.get("pass_costs") or {}
     if costs.get("target"):
         ks = list(costs["target"])
-        lines += ["\n## Pass costs on this machine (the cost model)\n",
-                  f"One target pass over k new tokens after 128 cached, relative to a 1-token pass of "
-                  f"{costs['target_s_1'] * 1000:.1f} ms; one draft pass over k tokens in the same unit.\n",
-                  "| k | " + " | ".join(str(k) for k in ks) + " |", "|---" * (len(ks) + 1) + "|",
-                  "| target T(k)/T(1) | " + " | ".join(f"{costs['target'][k]:.2f}" for k in ks) + " |"]
+        lines += [
+            "\n## Pass costs on this machine (the cost model)\n",
+            f"One target pass over k new tokens after 128 cached, relative to a 1-token pass of "
+            f"{costs['target_s_1'] * 1000:.1f} ms; one draft pass over k tokens in the same unit.\n",
+            "| k | " + " | ".join(str(k) for k in ks) + " |",
+            "|---" * (len(ks) + 1) + "|",
+            "| target T(k)/T(1) | " + " | ".join(f"{costs['target'][k]:.2f}" for k in ks) + " |",
+        ]
         if costs.get("draft"):
             lines.append("| draft d(k)/T(1) | " + " | ".join(_f(costs["draft"].get(k)) for k in ks) + " |")
         dq = cfg.get("draft_quant") or {}
         if dq.get("one_token_s"):
-            lines.append("\nDraft requantized for speed (the target decides every token): one-token draft pass, "
-                         "as a share of a target pass (c): " + ", ".join(
-                             f"{n} ({dq['file_type'].get(n, n)}) {s / costs['target_s_1']:.2f}"
-                             + (" ← chosen" if n == dq["chosen"] else "")
-                             for n, s in dq["one_token_s"].items()))
+            lines.append(
+                "\nDraft requantized for speed (the target decides every token): one-token draft pass, "
+                "as a share of a target pass (c): "
+                + ", ".join(
+                    f"{n} ({dq['file_type'].get(n, n)}) {s / costs['target_s_1']:.2f}"
+                    + (" ← chosen" if n == dq["chosen"] else "")
+                    for n, s in dq["one_token_s"].items()
+                )
+            )
     return lines
 
 
@@ -184,29 +237,36 @@ def _auto(results: dict) -> list[str]:
     if auto and auto.get("strategies"):
         predicted = auto.get("predicted_speedup")
         ratio = auto["speedup"] / predicted if auto["speedup"] and predicted else None
-        lines += ["\n## auto\n", "| steps by strategy | expected tokens per pass | realised (τ) | "
-                  "predicted speedup (cost model) | realised speedup | realised / predicted |",
-                  "|---|---|---|---|---|---|",
-                  f"| {', '.join(f'{k} {v}' for k, v in auto['strategies'].items())} | "
-                  f"{_f(auto.get('expected_tokens_per_pass'))} | {_f(auto['mean_accepted_tokens'])} | "
-                  f"{_f(auto.get('predicted_speedup'), '{:.2f}x')} | {_f(auto['speedup'], '{:.2f}x')} | "
-                  f"{_f(ratio, '{:.0%}')} |"]
+        lines += [
+            "\n## auto\n",
+            "| steps by strategy | expected tokens per pass | realised (τ) | "
+            "predicted speedup (cost model) | realised speedup | realised / predicted |",
+            "|---|---|---|---|---|---|",
+            f"| {', '.join(f'{k} {v}' for k, v in auto['strategies'].items())} | "
+            f"{_f(auto.get('expected_tokens_per_pass'))} | {_f(auto['mean_accepted_tokens'])} | "
+            f"{_f(auto.get('predicted_speedup'), '{:.2f}x')} | {_f(auto['speedup'], '{:.2f}x')} | "
+            f"{_f(ratio, '{:.0%}')} |",
+        ]
         bc = {c: v for c, v in auto.get("by_category", {}).items() if "predicted_speedup" in v}
         if bc:
-            lines += ["\n### auto by category: predicted against realised\n",
-                      "Predicted: the cost model's expected tokens per modelled second of the passes it planned, "
-                      "in plain steps (decoding only: no prefill). Realised: against our autoregressive in the "
-                      "same run, in decode tok/s (after the first token) and overall.\n",
-                      "| category | steps by strategy | expected tokens per pass | realised (τ) | predicted speedup | "
-                      "realised decode speedup | realised overall speedup | realised decode / predicted |",
-                      "|---" * 8 + "|"]
+            lines += [
+                "\n### auto by category: predicted against realised\n",
+                "Predicted: the cost model's expected tokens per modelled second of the passes it planned, "
+                "in plain steps (decoding only: no prefill). Realised: against our autoregressive in the "
+                "same run, in decode tok/s (after the first token) and overall.\n",
+                "| category | steps by strategy | expected tokens per pass | realised (τ) | predicted speedup | "
+                "realised decode speedup | realised overall speedup | realised decode / predicted |",
+                "|---" * 8 + "|",
+            ]
             for c, v in bc.items():
                 pred, dec = v.get("predicted_speedup"), v.get("decode_speedup")
                 steps = ", ".join(f"{k} {n}" for k, n in (v.get("strategies") or {}).items()) or "–"
-                lines.append(f"| {c} | {steps} | "
-                             f"{_f(v.get('expected_tokens_per_pass'))} | {_f(v.get('mean_accepted_tokens'))} | "
-                             f"{_f(pred, '{:.2f}x')} | {_f(dec, '{:.2f}x')} | {_f(v.get('speedup'), '{:.2f}x')} | "
-                             f"{_f(dec / pred if dec and pred else None, '{:.0%}')} |")
+                lines.append(
+                    f"| {c} | {steps} | "
+                    f"{_f(v.get('expected_tokens_per_pass'))} | {_f(v.get('mean_accepted_tokens'))} | "
+                    f"{_f(pred, '{:.2f}x')} | {_f(dec, '{:.2f}x')} | {_f(v.get('speedup'), '{:.2f}x')} | "
+                    f"{_f(dec / pred if dec and pred else None, '{:.0%}')} |"
+                )
     return lines
 
 
@@ -219,11 +279,14 @@ def _copies(results: dict) -> list[str]:
     rows = [r for r in results["prompts"] if r.get("copy_bound_tokens_per_second")]
     if not rows:
         return []
-    lines = ["\n## Copies against their bound\n",
-             "Bound: a copy that is always right, each token in the timed pass size that costs least per token at its "
-             f"context (max over k of k / T(k)). Answers that copy ≥ {COPIED:.0%} of their tokens from the prediction "
-             "(longest common subsequence) are marked.\n",
-             "| prompt | method | copied | decode tok/s | bound tok/s | of the bound |", "|---|---|---|---|---|---|"]
+    lines = [
+        "\n## Copies against their bound\n",
+        "Bound: a copy that is always right, each token in the timed pass size that costs least per token at its "
+        f"context (max over k of k / T(k)). Answers that copy ≥ {COPIED:.0%} of their tokens from the prediction "
+        "(longest common subsequence) are marked.\n",
+        "| prompt | method | copied | decode tok/s | bound tok/s | of the bound |",
+        "|---|---|---|---|---|---|",
+    ]
     marked = []
     for r in rows:
         share, bound, dec = r.get("prediction_copied"), r["copy_bound_tokens_per_second"], r["decode_tokens_per_second"]
@@ -231,11 +294,15 @@ def _copies(results: dict) -> list[str]:
         if share is not None and share >= COPIED and frac is not None:
             marked.append(frac)
         mark = " ✓" if share is not None and share >= COPIED else ""
-        lines.append(f"| {r['prompt_id']} | {r['method']} | {_f(share, '{:.1%}')}{mark} | {_f(dec)} | {_f(bound)} | "
-                     f"{_f(frac, '{:.2f}')} |")
+        lines.append(
+            f"| {r['prompt_id']} | {r['method']} | {_f(share, '{:.1%}')}{mark} | {_f(dec)} | {_f(bound)} | "
+            f"{_f(frac, '{:.2f}')} |"
+        )
     if marked:
-        lines.append(f"\nOn the {len(marked)} answers marked: {sum(marked) / len(marked):.2f} of the bound on average "
-                     f"(lowest {min(marked):.2f}).")
+        lines.append(
+            f"\nOn the {len(marked)} answers marked: {sum(marked) / len(marked):.2f} of the bound on average "
+            f"(lowest {min(marked):.2f})."
+        )
     return lines
 
 
@@ -246,41 +313,57 @@ def _tree(results: dict) -> list[str]:
     tree = results["methods"].get("tree")
     if tree and tree.get("nodes_per_pass") is not None:
         costs = cfg.get("pass_costs") or {}
-        lines += ["\n## Token tree\n", f"shape fixed by hand: {cfg.get('tree') or 'none (cost model)'}\n",
-                  "| nodes per pass | depth per pass | expected tokens per pass | realised (τ) | "
-                  "draft time per pass / plain step | verify cost v |", "|---|---|---|---|---|---|",
-                  f"| {_f(tree['nodes_per_pass'])} | {_f(tree['depth_per_pass'])} | "
-                  f"{_f(tree['expected_tokens_per_pass'])} | {_f(tree['mean_accepted_tokens'])} | "
-                  f"{_f(tree.get('draft_cost_per_pass'))} | {_f(tree['verify_cost_ratio'])} |"]
+        lines += [
+            "\n## Token tree\n",
+            f"shape fixed by hand: {cfg.get('tree') or 'none (cost model)'}\n",
+            "| nodes per pass | depth per pass | expected tokens per pass | realised (τ) | "
+            "draft time per pass / plain step | verify cost v |",
+            "|---|---|---|---|---|---|",
+            f"| {_f(tree['nodes_per_pass'])} | {_f(tree['depth_per_pass'])} | "
+            f"{_f(tree['expected_tokens_per_pass'])} | {_f(tree['mean_accepted_tokens'])} | "
+            f"{_f(tree.get('draft_cost_per_pass'))} | {_f(tree['verify_cost_ratio'])} |",
+        ]
         if costs.get("target"):
-            lines.append("\nMeasured pass costs (cost model, relative to a 1-token target pass of "
-                         f"{costs['target_s_1'] * 1000:.0f} ms): target " +
-                         ", ".join(f"{n} tok {r:.2f}" for n, r in costs["target"].items()) + "; draft " +
-                         ", ".join(f"{n} tok {r:.2f}" for n, r in costs["draft"].items()))
+            lines.append(
+                "\nMeasured pass costs (cost model, relative to a 1-token target pass of "
+                f"{costs['target_s_1'] * 1000:.0f} ms): target "
+                + ", ".join(f"{n} tok {r:.2f}" for n, r in costs["target"].items())
+                + "; draft "
+                + ", ".join(f"{n} tok {r:.2f}" for n, r in costs["draft"].items())
+            )
     return lines
 
 
 def _per_prompt(results: dict) -> list[str]:
     """Per prompt, and what the columns mean."""
     lines: list[str] = []
-    lines += ["\n## Per prompt\n", "| prompt | method | tok/s | TTFT s | decode tok/s | new tokens | τ | acceptance |",
-              "|---" * 8 + "|"]
+    lines += [
+        "\n## Per prompt\n",
+        "| prompt | method | tok/s | TTFT s | decode tok/s | new tokens | τ | acceptance |",
+        "|---" * 8 + "|",
+    ]
     for r in results["prompts"]:
-        lines.append(f"| {r['prompt_id']} | {r['method']} | {_f(r['tokens_per_second'])} | "
-                     f"{_f(r.get('ttft_s'), '{:.3f}')} | {_f(r.get('decode_tokens_per_second'))} | {r['new_tokens']} | "
-                     f"{_f(r['mean_accepted_tokens'])} | {_f(r['acceptance_rate'], '{:.1%}')} |")
-    lines.append("\nα: per-token acceptance, accepted / (accepted + rejections). c: mean time of one draft "
-                 "forward / one plain target forward. Bound: Leviathan et al. 2023, Thm 3.8, "
-                 "(1 − α^(γ+1)) / ((1 − α)(γc + 1)), which assumes a (γ+1)-token target pass costs what a "
-                 "1-token pass does. v: mean verify pass time / one plain target forward; 'bound with measured v' "
-                 "is the same expectation divided by (γc + v) instead of (γc + 1).")
+        lines.append(
+            f"| {r['prompt_id']} | {r['method']} | {_f(r['tokens_per_second'])} | "
+            f"{_f(r.get('ttft_s'), '{:.3f}')} | {_f(r.get('decode_tokens_per_second'))} | {r['new_tokens']} | "
+            f"{_f(r['mean_accepted_tokens'])} | {_f(r['acceptance_rate'], '{:.1%}')} |"
+        )
+    lines.append(
+        "\nα: per-token acceptance, accepted / (accepted + rejections). c: mean time of one draft "
+        "forward / one plain target forward. Bound: Leviathan et al. 2023, Thm 3.8, "
+        "(1 − α^(γ+1)) / ((1 − α)(γc + 1)), which assumes a (γ+1)-token target pass costs what a "
+        "1-token pass does. v: mean verify pass time / one plain target forward; 'bound with measured v' "
+        "is the same expectation divided by (γc + v) instead of (γc + 1)."
+    )
     return lines
 
 
 def plot_speedup(results: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     methods = list(results["methods"])
     cats = sorted({c for r in results["methods"].values() for c in r.get("by_category", {})})
     groups = ["all prompts"] + cats
@@ -295,8 +378,10 @@ def plot_speedup(results: dict, path: Path) -> None:
     ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))], groups, rotation=20 if cats else 0)
     ax.set_ylabel("speedup vs autoregressive (×, tokens/s ratio)")
     cfg = results["config"]
-    ax.set_title(f"Speedup, {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, γ={cfg['gamma']}, "
-                 f"T={cfg['temperature']}")
+    ax.set_title(
+        f"Speedup, {cfg['prompts']} prompts, {cfg['max_new_tokens']} new tokens, γ={cfg['gamma']}, "
+        f"T={cfg['temperature']}"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -305,14 +390,17 @@ def plot_speedup(results: dict, path: Path) -> None:
 
 def plot_acceptance(results: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, r in results["methods"].items():
         acc = r.get("acceptance_by_position")
         if acc:
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
     from matplotlib.ticker import MaxNLocator
+
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("share of drafted tokens accepted")

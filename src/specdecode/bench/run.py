@@ -1,5 +1,6 @@
 """`specdecode bench`: every method against plain decoding (and other tools' decoders, peers.py) on a
 prompt file, in one run, interleaved prompt by prompt so that machine drift hits all alike."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,8 +32,11 @@ def parse_methods(text: str) -> list[str]:
 
 
 def default_methods(engine: Engine) -> list[str]:
-    methods = [m for m in in_default_run("bench_default")  # the method table's default run
-               if engine.draft_model is not None or METHOD_TABLE[m].needs_draft_model != REQUIRED]
+    methods = [
+        m
+        for m in in_default_run("bench_default")  # the method table's default run
+        if engine.draft_model is not None or METHOD_TABLE[m].needs_draft_model != REQUIRED
+    ]
     if engine.target.gguf_path is not None:  # a GGUF file that llama-cpp-python's own generation can run
         return methods + ["llama.cpp", "llama.cpp-pld"]
     return methods + (["hf-assisted"] if engine.draft_model is not None else [])
@@ -47,21 +51,34 @@ def check_methods(engine: Engine, methods: list[str]) -> None:
     required = [m for m in METHODS if METHOD_TABLE[m].needs_draft_model == REQUIRED] + list(DRAFT_PEERS)
     asked = [m for m in required if m in methods]
     if engine.draft_model is None and asked:
-        raise SpecDecodeError(f"{'methods' if len(asked) > 1 else 'method'} {' and '.join(asked)} "
-                              f"need{'' if len(asked) > 1 else 's'} a draft model (--draft)")
+        raise SpecDecodeError(
+            f"{'methods' if len(asked) > 1 else 'method'} {' and '.join(asked)} "
+            f"need{'' if len(asked) > 1 else 's'} a draft model (--draft)"
+        )
     if "hf-assisted" in methods and engine.target.hf_model is None:
         raise SpecDecodeError("the hf-assisted peer runs on the torch backend (--backend torch)")
     if {"llama.cpp", "llama.cpp-pld", *SERVER_PEERS} & set(methods) and engine.target.gguf_path is None:
-        raise SpecDecodeError("the llama.cpp peers need the target on the llama.cpp backend (a GGUF model, "
-                              "--backend llama.cpp or auto)")
+        raise SpecDecodeError(
+            "the llama.cpp peers need the target on the llama.cpp backend (a GGUF model, --backend llama.cpp or auto)"
+        )
     if "llama-server-draft" in methods and engine.draft_model.lm.gguf_path is None:
         raise SpecDecodeError("peer llama-server-draft needs the draft on the llama.cpp backend (a GGUF model)")
 
 
-def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma: int = DEFAULT_GAMMA,
-              max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = 0, progress: bool = True,
-              tree: dict | None = None, llama_server: str | None = None,
-              log_dir: str | Path = "bench-out/logs") -> dict:
+def run_bench(
+    engine: Engine,
+    prompts: list[dict],
+    methods: list[str],
+    *,
+    gamma: int = DEFAULT_GAMMA,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int | None = 0,
+    progress: bool = True,
+    tree: dict | None = None,
+    llama_server: str | None = None,
+    log_dir: str | Path = "bench-out/logs",
+) -> dict:
     """tree: tree_width/tree_depth/tree_nodes for method tree (unset: chosen by its cost model). llama_server:
     the binary the llama-server peers launch (default: the cached build), its logs in log_dir."""
     greedy, tree = temperature == 0, tree or {}
@@ -84,34 +101,54 @@ def run_bench(engine: Engine, prompts: list[dict], methods: list[str], *, gamma:
         for i, p in enumerate(prompts):
             # interleaved, prompt by prompt, each prompt's round starting one method later: whichever runs first
             # decodes slower (measured: docs/results/notes.md#code-order), so no method keeps the first place
-            for m in methods[i % len(methods):] + methods[:i % len(methods)]:
+            for m in methods[i % len(methods) :] + methods[: i % len(methods)]:
                 engine.history = histories[m]
-                rows += _turns(p, m, bar, lambda run, m: reuse(run, m, lambda: _run_one(
-                    engine, run, m, gamma, max_new_tokens, temperature, seed, tree, peers)))
+                rows += _turns(
+                    p,
+                    m,
+                    bar,
+                    lambda run, m: reuse(
+                        run, m, lambda: _run_one(engine, run, m, gamma, max_new_tokens, temperature, seed, tree, peers)
+                    ),
+                )
     finally:
         engine.history = history
         close_peers(peers)
     bar.close()
-    return summarize(rows, methods, gamma=gamma, greedy=greedy,
-                     config=dict(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                 prompts=len(prompts), methods=methods, device=str(engine.target.device),
-                                 backend=engine.backend, target=engine.target.name,
-                                 draft=engine.draft_model.lm.name if engine.draft_model else None,
-                                 dtype=str(engine.target.dtype).replace("torch.", ""),
-                                 draft_dtype=str(engine.draft_model.lm.dtype).replace("torch.", "")
-                                 if engine.draft_model else None,
-                                 threads=engine.target.threads,
-                                 torch_threads=torch.get_num_threads(), tree=tree, cpu=cpu_description(),
-                                 memory=hugepages_status(),
-                                 draft_quant=engine.draft_model.lm.quant_info
-                                 if engine.draft_model else None,
-                                 pass_costs=costs.as_dict(),
-                                 datastore=str(engine.datastore.path) if engine.datastore else None,
-                                 datastore_tokens=len(engine.datastore) if engine.datastore else None,
-                                 history_tokens=history.max_tokens if history is not None else 0,
-                                 server_peers={m: " ".join(p.argv) for m, p in peers.items() if hasattr(p, "argv")},
-                                 draft_vocab=len(engine.draft_model.keep)
-                                 if engine.draft_model is not None and engine.draft_model.keep is not None else None))
+    return summarize(
+        rows,
+        methods,
+        gamma=gamma,
+        greedy=greedy,
+        config=dict(
+            gamma=gamma,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            prompts=len(prompts),
+            methods=methods,
+            device=str(engine.target.device),
+            backend=engine.backend,
+            target=engine.target.name,
+            draft=engine.draft_model.lm.name if engine.draft_model else None,
+            dtype=str(engine.target.dtype).replace("torch.", ""),
+            draft_dtype=str(engine.draft_model.lm.dtype).replace("torch.", "") if engine.draft_model else None,
+            threads=engine.target.threads,
+            torch_threads=torch.get_num_threads(),
+            tree=tree,
+            cpu=cpu_description(),
+            memory=hugepages_status(),
+            draft_quant=engine.draft_model.lm.quant_info if engine.draft_model else None,
+            pass_costs=costs.as_dict(),
+            datastore=str(engine.datastore.path) if engine.datastore else None,
+            datastore_tokens=len(engine.datastore) if engine.datastore else None,
+            history_tokens=history.max_tokens if history is not None else 0,
+            server_peers={m: " ".join(p.argv) for m, p in peers.items() if hasattr(p, "argv")},
+            draft_vocab=len(engine.draft_model.keep)
+            if engine.draft_model is not None and engine.draft_model.keep is not None
+            else None,
+        ),
+    )
 
 
 def _turns(p: dict, m: str, bar, run_one) -> list[dict]:
@@ -126,8 +163,15 @@ def _turns(p: dict, m: str, bar, run_one) -> list[dict]:
         else:
             run = p
         r = run_one(run, m)
-        rows.append({"prompt_id": p["id"] + (f"#{turn}" if p.get("turns") else ""), "turn": turn,
-                     "category": p["category"], "method": m, **r})
+        rows.append(
+            {
+                "prompt_id": p["id"] + (f"#{turn}" if p.get("turns") else ""),
+                "turn": turn,
+                "category": p["category"],
+                "method": m,
+                **r,
+            }
+        )
         if p.get("turns"):
             messages = messages + [{"role": "assistant", "content": r["text"]}]
         bar.update(1)
@@ -168,8 +212,13 @@ def _make_peers(engine, methods: list[str], llama_server: str | None, log_dir) -
     then llama-cpp-python's; the servers stopped again if anything fails here."""
     peers = make_server_peers(engine, methods, llama_server, Path(log_dir))
     try:
-        peers.update({m: LlamaPeer(engine, pld=m == "llama.cpp-pld", log_dir=log_dir) for m in methods
-                      if m in ("llama.cpp", "llama.cpp-pld")})
+        peers.update(
+            {
+                m: LlamaPeer(engine, pld=m == "llama.cpp-pld", log_dir=log_dir)
+                for m in methods
+                if m in ("llama.cpp", "llama.cpp-pld")
+            }
+        )
     except BaseException:
         close_peers(peers)
         raise
@@ -185,28 +234,74 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
             r = peers[method].generate(ids, max_new_tokens, temperature, seed)
         text = engine.decode(r["token_ids"]) if "token_ids" in r else ""
         r.setdefault("ttft_s", None)
-        return {**r, "text": text, "tokens_per_second": r["new_tokens"] / r["wall_s"],
-                "decode_tokens_per_second": decode_rate(r["new_tokens"], r["wall_s"], r["ttft_s"]),
-                "plain_step_s": None, "target_forwards": None, "drafted": None,
-                "accepted": None, "rejections": None, "mean_accepted_tokens": None, "acceptance_rate": None,
-                "accepted_per_position": None, "drafted_per_position": None, "draft_s": None, "verify_s": None,
-                "tree_depth": None, "expected_tokens": None, "planned_passes": None, "modelled_s": None,
-                "strategies": None, "sources": None}
-    g = engine.open(Request(p["prompt"], chat=p["chat"], method=method, gamma=gamma, max_new_tokens=max_new_tokens,
-                            temperature=temperature, seed=seed, prediction=p.get("prediction"),
-                            **(tree or {} if has_flag(method, "tree_options") else {}))).run()
+        return {
+            **r,
+            "text": text,
+            "tokens_per_second": r["new_tokens"] / r["wall_s"],
+            "decode_tokens_per_second": decode_rate(r["new_tokens"], r["wall_s"], r["ttft_s"]),
+            "plain_step_s": None,
+            "target_forwards": None,
+            "drafted": None,
+            "accepted": None,
+            "rejections": None,
+            "mean_accepted_tokens": None,
+            "acceptance_rate": None,
+            "accepted_per_position": None,
+            "drafted_per_position": None,
+            "draft_s": None,
+            "verify_s": None,
+            "tree_depth": None,
+            "expected_tokens": None,
+            "planned_passes": None,
+            "modelled_s": None,
+            "strategies": None,
+            "sources": None,
+        }
+    g = engine.open(
+        Request(
+            p["prompt"],
+            chat=p["chat"],
+            method=method,
+            gamma=gamma,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            prediction=p.get("prediction"),
+            **(tree or {} if has_flag(method, "tree_options") else {}),
+        )
+    ).run()
     s = g.stats
-    return {"token_ids": g.token_ids, "text": g.text, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
-            "sources": s.sources, "engine": s.engine,
-            "tokens_per_second": s.tokens_per_second, "target_forwards": s.target_forwards, "drafted": s.drafted,
-            "accepted": s.accepted, "rejections": s.rejections, "mean_accepted_tokens": s.mean_accepted_tokens,
-            "acceptance_rate": s.acceptance_rate, "accepted_per_position": s.accepted_per_position,
-            "drafted_per_position": s.drafted_per_position, "draft_s": s.draft_s, "verify_s": s.verify_s,
-            "prefill_s": s.prefill_s, "ttft_s": s.ttft_s, "first_tokens": s.first_tokens,
-            "decode_tokens_per_second": s.decode_tokens_per_second, "catchup_s": s.catchup_s,
-            "tree_depth": s.tree_depth, "expected_tokens": s.expected_tokens, "planned_passes": s.planned_passes,
-            "modelled_s": s.modelled_s, "plain_step_s": s.plain_step_s, "strategies": s.strategies,
-            **_against_a_copy(engine, p, method, g)}
+    return {
+        "token_ids": g.token_ids,
+        "text": g.text,
+        "new_tokens": s.new_tokens,
+        "wall_s": s.wall_s,
+        "sources": s.sources,
+        "engine": s.engine,
+        "tokens_per_second": s.tokens_per_second,
+        "target_forwards": s.target_forwards,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "rejections": s.rejections,
+        "mean_accepted_tokens": s.mean_accepted_tokens,
+        "acceptance_rate": s.acceptance_rate,
+        "accepted_per_position": s.accepted_per_position,
+        "drafted_per_position": s.drafted_per_position,
+        "draft_s": s.draft_s,
+        "verify_s": s.verify_s,
+        "prefill_s": s.prefill_s,
+        "ttft_s": s.ttft_s,
+        "first_tokens": s.first_tokens,
+        "decode_tokens_per_second": s.decode_tokens_per_second,
+        "catchup_s": s.catchup_s,
+        "tree_depth": s.tree_depth,
+        "expected_tokens": s.expected_tokens,
+        "planned_passes": s.planned_passes,
+        "modelled_s": s.modelled_s,
+        "plain_step_s": s.plain_step_s,
+        "strategies": s.strategies,
+        **_against_a_copy(engine, p, method, g),
+    }
 
 
 def _against_a_copy(engine, p: dict, method: str, g) -> dict:
@@ -216,5 +311,7 @@ def _against_a_copy(engine, p: dict, method: str, g) -> dict:
         return {}
     s = g.stats
     ids = engine.encode_prediction(p["prediction"])
-    return {"prediction_copied": copied_share(ids, g.token_ids, s.finish_reason == "eos"),
-            "copy_bound_tokens_per_second": copy_bound(engine.tree_costs(), s.prompt_tokens, s.new_tokens)}
+    return {
+        "prediction_copied": copied_share(ids, g.token_ids, s.finish_reason == "eos"),
+        "copy_bound_tokens_per_second": copy_bound(engine.tree_costs(), s.prompt_tokens, s.new_tokens),
+    }

@@ -11,6 +11,7 @@ end-of-generation token included, as in our runs), their count the server's `tok
 stream a token that ends mid-character on its own, so the token ids of such a run can lack one (its greedy agreement
 then counts as a difference; the count stays right).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,18 +20,26 @@ from pathlib import Path
 
 from ..errors import SpecDecodeError
 
-SERVER_PEERS = ("llama-server", "llama-server-draft", "llama-server-ngram", "llama-server-ngram-simple",
-                "llama-server-ngram-simple-64")
+SERVER_PEERS = (
+    "llama-server",
+    "llama-server-draft",
+    "llama-server-ngram",
+    "llama-server-ngram-simple",
+    "llama-server-ngram-simple-64",
+)
 
 
 def server_binary(path: str | None = None) -> str:
     """`path`, else the cached build of llama-server (then PATH); a clear error where there is none."""
     from ..launch.llama_server import find_binary
+
     found = path or find_binary("llama-server")
     if found is None:
-        raise SpecDecodeError("the llama-server peers need llama.cpp's llama-server, which is not built: "
-                              "specdecode loadtest --build-llama-server (about 11 min on 2 cores), "
-                              "or pass --llama-server PATH")
+        raise SpecDecodeError(
+            "the llama-server peers need llama.cpp's llama-server, which is not built: "
+            "specdecode loadtest --build-llama-server (about 11 min on 2 cores), "
+            "or pass --llama-server PATH"
+        )
     if not Path(found).is_file():
         raise SpecDecodeError(f"--llama-server: no such file: {found}")
     return str(found)
@@ -48,9 +57,11 @@ def check_server_peers(methods: list[str], binary: str | None, temperature: floa
 class LlamaServerPeer:
     """One launched llama-server (one slot) for peer `name`; generate() like peers.LlamaPeer's; close() stops it."""
 
-    def __init__(self, name: str, engine, binary: str, log_dir: Path, ctx: int | None = None,
-                 ready_timeout: float = 300.0):
+    def __init__(
+        self, name: str, engine, binary: str, log_dir: Path, ctx: int | None = None, ready_timeout: float = 300.0
+    ):
         from ..launch.servers import DEFAULT_CTX, Launched, free_port, peer_argv
+
         lm = engine.target
         if lm.gguf_path is None:
             raise SpecDecodeError(f"peer {name} needs the target on the llama.cpp backend (a GGUF model)")
@@ -61,8 +72,16 @@ class LlamaServerPeer:
                 raise SpecDecodeError("peer llama-server-draft needs a GGUF draft model on the llama.cpp backend")
         self.ctx = ctx or min(lm.max_length, DEFAULT_CTX)  # as peers.LlamaPeer's n_ctx
         port = free_port()
-        self.argv = peer_argv(name, port=port, slots=1, threads=lm.threads, ctx=self.ctx, target=str(lm.gguf_path),
-                              draft=str(draft) if draft else None, llama_server=binary)
+        self.argv = peer_argv(
+            name,
+            port=port,
+            slots=1,
+            threads=lm.threads,
+            ctx=self.ctx,
+            target=str(lm.gguf_path),
+            draft=str(draft) if draft else None,
+            llama_server=binary,
+        )
         self.server = Launched(self.argv, port, Path(log_dir) / f"{name}.log", ready_timeout)
         self.server.__enter__()
         self.url = self.server.url
@@ -72,10 +91,19 @@ class LlamaServerPeer:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed) -> dict:
         from ..launch import http
+
         if temperature != 0:
             raise SpecDecodeError("the llama-server peers are benchmarked greedy only (--temperature 0)")
-        body = {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                "repeat_penalty": 1.0, "stream": True, "cache_prompt": False, "return_tokens": True}
+        body = {
+            "prompt": list(prompt_ids),
+            "n_predict": max_new_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "repeat_penalty": 1.0,
+            "stream": True,
+            "cache_prompt": False,
+            "return_tokens": True,
+        }
         ids: list[int] = []
         ttft = final = None
         t = time.perf_counter()

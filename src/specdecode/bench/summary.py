@@ -1,5 +1,6 @@
 """A bench run's rows summed up per method (and per category and turn): speeds, speedups against
 plain decoding from the same run, acceptance, the cost model's predictions and the analytic bounds."""
+
 from __future__ import annotations
 
 from ..methods import BASELINE
@@ -41,8 +42,11 @@ class _Rows:
         self.ar_ids = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == BASELINE}
 
     def total(self, m, key, cat=None):
-        return sum(r[key] for r in self.rows
-                   if r["method"] == m and r[key] is not None and (cat is None or r["category"] == cat))
+        return sum(
+            r[key]
+            for r in self.rows
+            if r["method"] == m and r[key] is not None and (cat is None or r["category"] == cat)
+        )
 
     def tps(self, m, cat=None):
         wall = self.total(m, "wall_s", cat)
@@ -64,11 +68,16 @@ class _Rows:
     def speeds(self, m, cat=None) -> dict:
         """Overall and decode speed, TTFT and the ratios against autoregressive and the llama.cpp peer."""
         t, d, peer = self.tps(m, cat), self.dtps(m, cat), self.peer
-        return {"tokens_per_second": t, "speedup": _ratio(t, self.tps(BASELINE, cat)),
-                "decode_tokens_per_second": d, "decode_speedup": _ratio(d, self.dtps(BASELINE, cat)),
-                "ttft_s": self.mean_ttft(m, cat),
-                "vs_llama_cpp": {"overall": _ratio(t, self.tps(peer, cat)), "decode": _ratio(d, self.dtps(peer, cat))}
-                if peer else None}
+        return {
+            "tokens_per_second": t,
+            "speedup": _ratio(t, self.tps(BASELINE, cat)),
+            "decode_tokens_per_second": d,
+            "decode_speedup": _ratio(d, self.dtps(BASELINE, cat)),
+            "ttft_s": self.mean_ttft(m, cat),
+            "vs_llama_cpp": {"overall": _ratio(t, self.tps(peer, cat)), "decode": _ratio(d, self.dtps(peer, cat))}
+            if peer
+            else None,
+        }
 
     def predicted(self, m, cat=None):
         """The cost model's speedup over the planned passes: expected tokens / modelled seconds counted in
@@ -85,8 +94,11 @@ class _Rows:
     def planned(self, m, cat=None) -> dict:
         """A planned method's expected tokens per pass, predicted speedup and steps by strategy."""
         planned = self.total(m, "planned_passes", cat)
-        out = {"expected_tokens_per_pass": self.total(m, "expected_tokens", cat) / planned if planned else None,
-               "predicted_speedup": self.predicted(m, cat), "strategies": {}}
+        out = {
+            "expected_tokens_per_pass": self.total(m, "expected_tokens", cat) / planned if planned else None,
+            "predicted_speedup": self.predicted(m, cat),
+            "strategies": {},
+        }
         for r in self.picked(m, cat):
             for k, v in (r.get("strategies") or {}).items():
                 out["strategies"][k] = out["strategies"].get(k, 0) + v
@@ -106,10 +118,21 @@ def summarize(rows: list[dict], methods: list[str], *, gamma: int, greedy: bool,
 def _summarize_method(rs: _Rows, m: str, greedy: bool) -> dict:
     total, ar_step = rs.total, rs.ar_step
     mine = rs.picked(m)
-    res = {**rs.speeds(m), "new_tokens": total(m, "new_tokens"), "wall_s": total(m, "wall_s"),
-           "mean_accepted_tokens": None, "acceptance_rate": None, "alpha": None, "draft_cost_ratio": None,
-           "verify_cost_ratio": None, "analytic_bound": None, "efficiency": None, "cost_model_bound": None,
-           "acceptance_by_position": None, "greedy_agreement": None}
+    res = {
+        **rs.speeds(m),
+        "new_tokens": total(m, "new_tokens"),
+        "wall_s": total(m, "wall_s"),
+        "mean_accepted_tokens": None,
+        "acceptance_rate": None,
+        "alpha": None,
+        "draft_cost_ratio": None,
+        "verify_cost_ratio": None,
+        "analytic_bound": None,
+        "efficiency": None,
+        "cost_model_bound": None,
+        "acceptance_by_position": None,
+        "greedy_agreement": None,
+    }
     fwd = total(m, "target_forwards")
     if m not in PEERS and fwd:
         res["mean_accepted_tokens"] = total(m, "new_tokens") / fwd
@@ -124,8 +147,9 @@ def _summarize_method(rs: _Rows, m: str, greedy: bool) -> dict:
     if any(r.get("sources") for r in mine):
         res["sources"] = _by_source(mine)
     if any(r.get("engine") for r in mine):  # --route: which engine served how many prompts
-        res["engines"] = {e: sum(r.get("engine") == e for r in mine) for e in sorted({r["engine"] for r in mine
-                                                                                       if r.get("engine")})}
+        res["engines"] = {
+            e: sum(r.get("engine") == e for r in mine) for e in sorted({r["engine"] for r in mine if r.get("engine")})
+        }
     turns = sorted({r.get("turn", 1) for r in mine})
     if len(turns) > 1:
         res["by_turn"] = _by_turn(mine, turns)
@@ -157,8 +181,10 @@ def _by_turn(mine: list[dict], turns: list[int]) -> dict:
         rt = [r for r in mine if r.get("turn", 1) == t]
         fwd = sum(r["target_forwards"] or 0 for r in rt)
         wall = sum(r["wall_s"] for r in rt)
-        out[t] = {"tokens_per_second": sum(r["new_tokens"] for r in rt) / wall if wall else None,
-                  "mean_accepted_tokens": sum(r["new_tokens"] for r in rt) / fwd if fwd else None}
+        out[t] = {
+            "tokens_per_second": sum(r["new_tokens"] for r in rt) / wall if wall else None,
+            "mean_accepted_tokens": sum(r["new_tokens"] for r in rt) / fwd if fwd else None,
+        }
     return out
 
 
@@ -182,7 +208,8 @@ def _acceptance(rs: _Rows, m: str, mine: list[dict], res: dict) -> None:
     res["acceptance_by_position"] = [
         sum((r["accepted_per_position"] or [0] * width)[i] for r in mine if len(r["drafted_per_position"] or []) > i)
         / max(1, sum(r["drafted_per_position"][i] for r in mine if len(r["drafted_per_position"] or []) > i))
-        for i in range(width)]
+        for i in range(width)
+    ]
 
 
 def _category(rs: _Rows, m: str, cat: str) -> dict:

@@ -5,6 +5,7 @@ groups that generate, serve and bench share; load.py loads the models those argu
 serve.py, certify.py and index.py are commands. apply/, bench/ and loadtest/ keep their own command's parser
 (their cli.py), registered through dispatch.py. Nothing below the command line imports this package, and nothing
 here imports torch at module level."""
+
 from .dispatch import build_parser, main
 
 __all__ = ["build_parser", "main"]

@@ -4,6 +4,7 @@ certify in this package, apply, bench and loadtest in theirs.
 
 Nothing here imports torch at module level: main() restarts the command for huge pages (host/hugepages.py)
 before any command's parser or code loads it."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ def _parser_adders() -> list:
     from .generate import add_parser as generate
     from .index import add_parser as index
     from .serve import add_parser as serve
+
     return [generate, apply, bench, serve, index, certify, loadtest]
 
 
@@ -50,4 +52,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("specdecode: interrupted\n")
         return 130
-

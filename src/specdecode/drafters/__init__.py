@@ -10,6 +10,7 @@ that implements `Drafter`, and its entry in the method table (methods.py).
 
 The names load on first use (PEP 562): the command line's parsers read DRAFT_WINDOW without torch.
 """
+
 from __future__ import annotations
 
 from ..lazy import lazy_names
@@ -29,9 +30,28 @@ _EXPORTS = {
     **dict.fromkeys(("History", "NgramIndex"), ".sources"),
 }
 
-__all__ = ["Alignment", "CopyGuess", "followed", "Draft", "Drafter", "fit_vocab", "DraftModel", "DRAFT_WINDOW",
-           "CATCHUP_APART", "check_compatible", "PromptLookup", "Lookup", "Guess", "SOURCES", "History", "NgramIndex",
-           "Datastore", "build_datastore", "index_files", "tokenizer_fingerprint"]
+__all__ = [
+    "Alignment",
+    "CopyGuess",
+    "followed",
+    "Draft",
+    "Drafter",
+    "fit_vocab",
+    "DraftModel",
+    "DRAFT_WINDOW",
+    "CATCHUP_APART",
+    "check_compatible",
+    "PromptLookup",
+    "Lookup",
+    "Guess",
+    "SOURCES",
+    "History",
+    "NgramIndex",
+    "Datastore",
+    "build_datastore",
+    "index_files",
+    "tokenizer_fingerprint",
+]
 
 
 __getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

@@ -6,6 +6,7 @@ deterministically, a one-hot q). `prefill(ids)` lets a drafter with a cache read
 front (timed as prefill, not drafting); `commit(length, path, bonus)` tells it that ids[:length],
 the drafted nodes `path` (the accepted branch) and then the token `bonus` are what now stands.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -43,8 +44,13 @@ class Draft:
         if n >= len(self.tokens) and (self.parents is None or not chain):
             return self
         parents = None if self.parents is None or chain else self.parents[:n]
-        return replace(self, tokens=self.tokens[:n], q=None if self.q is None else self.q[:n], parents=parents,
-                       sources=None if self.sources is None else self.sources[:n])
+        return replace(
+            self,
+            tokens=self.tokens[:n],
+            q=None if self.q is None else self.q[:n],
+            parents=parents,
+            sources=None if self.sources is None else self.sources[:n],
+        )
 
     @property
     def depth(self) -> int:

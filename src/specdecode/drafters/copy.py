@@ -26,6 +26,7 @@ A tentative alignment that breaks before SYNC_MIN tokens is not a break of the c
 genuine copy only, at odds learned from how often this reference's tentative alignments held. Only a reference the
 output has been seen to copy is re-synchronised so (a wrong prediction shares short pieces with any output).
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left
@@ -50,6 +51,7 @@ TENTATIVE_MISSES = 4  # tentative alignments that may fail beyond those that hel
 @dataclass
 class CopyGuess:
     """The reference's next tokens and, for each, P(the target takes the path to it)."""
+
     tokens: list[int]
     values: list[float]
     run: int  # tokens copied in a row before them
@@ -85,7 +87,7 @@ class Alignment:
 
     def follow(self, ids: list[int]) -> None:
         """Bring the alignment up to date with the output ids[start:]."""
-        out = ids[self.start:]
+        out = ids[self.start :]
         ref = self.reference
         for i in range(self.seen, len(out)):
             x = out[i]
@@ -129,8 +131,9 @@ class Alignment:
             self._short = {size: NgramIndex(self.reference, size) for size in (1, 2)}
 
         def once(size: int) -> int:  # the position after the output's last `size` tokens, where they occur once only
-            ends = self._short[size].get(out[n - size:n]) if n >= size else ()
+            ends = self._short[size].get(out[n - size : n]) if n >= size else ()
             return ends[0] if len(ends) == 1 else -1
+
         broke = self._broke[1] if self._broke is not None else 0
         found = [(2, once(2))]
         if broke > 0 and out[n - 1] == self.reference[broke - 1]:
@@ -180,7 +183,7 @@ class Alignment:
         """The longest learned substitution whose original span starts at reference[pos] (None: none)."""
         ref = self.reference
         for key in self._by_first.get(ref[pos], ()) if pos < len(ref) else ():
-            if tuple(ref[pos:pos + len(key)]) == key:
+            if tuple(ref[pos : pos + len(key)]) == key:
                 return key
         return None
 
@@ -200,12 +203,12 @@ class Alignment:
 
     def _sync(self, out: list[int], n: int) -> None:
         """Re-align after out[:n] on the occurrence of its last tokens with the longest common run."""
-        ends = self._index.get(tuple(out[n - SYNC_MIN:n]))
+        ends = self._index.get(tuple(out[n - SYNC_MIN : n]))
         if not ends:
             return
         # nearest first: those at or ahead of the last position, then those behind it
         k = bisect_left(ends, self.last)
-        order = ends[k:k + SYNC_CANDIDATES] + ends[max(0, k - SYNC_CANDIDATES):k][::-1]
+        order = ends[k : k + SYNC_CANDIDATES] + ends[max(0, k - SYNC_CANDIDATES) : k][::-1]
         best_end, best_run = None, 0
         ref = self.reference
         for end in order[:SYNC_CANDIDATES]:
@@ -252,7 +255,7 @@ def copy_values(run: int, hazard: float | list[float], n: int, odds: float = 1.0
     values, path = [], 1.0
     for j, h in enumerate(hazards[:n], 1):
         path *= 1.0 - h
-        values.append(genuine * path + chance * SPURIOUS_GO_ON ** j)
+        values.append(genuine * path + chance * SPURIOUS_GO_ON**j)
     return values
 
 

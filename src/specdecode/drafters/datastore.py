@@ -1,6 +1,7 @@
 """The datastore of lookup drafting: a token file built once from the user's files (`specdecode index`),
 with a suffix array (pydivsufsort's libdivsufsort) over it, memory-mapped and searched in C. It answers
 lookup(text, depth, limit) for the lookup drafter, and gives token frequencies (FR-Spec)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -20,6 +21,7 @@ DATASTORE_VERSION = 1
 
 def _libdivsufsort():
     import importlib
+
     try:  # the module (its name is shadowed by the function in the package)
         return importlib.import_module("pydivsufsort.divsufsort")
     except ImportError as e:  # a core dependency: only a broken install lands here
@@ -32,8 +34,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def build_datastore(docs, out: str | Path, fingerprint: str, *, vocab_size: int, info: dict | None = None,
-                    progress: bool = True) -> dict:
+def build_datastore(
+    docs, out: str | Path, fingerprint: str, *, vocab_size: int, info: dict | None = None, progress: bool = True
+) -> dict:
     """Write a datastore from an iterable of token-id lists (documents) into directory `out`:
     tokens.bin (big-endian uint32, documents separated by 0xFFFFFFFF), sa.npy (the suffix array, as
     byte offsets into tokens.bin, sorted by the token sequences that start there) and meta.json."""
@@ -54,7 +57,7 @@ def build_datastore(docs, out: str | Path, fingerprint: str, *, vocab_size: int,
     if not n_tokens:
         tmp.unlink()
         raise SpecDecodeError("no tokens to index: the files are empty (or none matched)")
-    if (n_tokens + n_docs) * 4 >= 2 ** 40:
+    if (n_tokens + n_docs) * 4 >= 2**40:
         raise SpecDecodeError("a datastore holds at most 2^38 tokens")
     tmp.replace(out / "tokens.bin")
     t = time.perf_counter()
@@ -67,8 +70,15 @@ def build_datastore(docs, out: str | Path, fingerprint: str, *, vocab_size: int,
     sa = sa[sa % 4 == 0]
     np.save(out / "sa.npy", sa)
     del data, sa
-    meta = {"version": DATASTORE_VERSION, "tokens": n_tokens, "documents": n_docs, "fingerprint": fingerprint,
-            "vocab_size": vocab_size, "sort_s": round(time.perf_counter() - t, 1), **(info or {})}
+    meta = {
+        "version": DATASTORE_VERSION,
+        "tokens": n_tokens,
+        "documents": n_docs,
+        "fingerprint": fingerprint,
+        "vocab_size": vocab_size,
+        "sort_s": round(time.perf_counter() - t, 1),
+        **(info or {}),
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -85,14 +95,20 @@ class Datastore:
             self.tokens = np.memmap(path / "tokens.bin", dtype=">u4", mode="r")
             self.sa = np.load(path / "sa.npy", mmap_mode="r")
         except (OSError, ValueError) as e:
-            raise SpecDecodeError(f"{path} is not a complete specdecode datastore ({e}); "
-                                  "build it again with `specdecode index`") from e
-        if self.meta.get("version") != DATASTORE_VERSION or len(self.sa) != len(self.tokens) or \
-                self.meta.get("tokens", -1) + self.meta.get("documents", -1) != len(self.tokens):
+            raise SpecDecodeError(
+                f"{path} is not a complete specdecode datastore ({e}); build it again with `specdecode index`"
+            ) from e
+        if (
+            self.meta.get("version") != DATASTORE_VERSION
+            or len(self.sa) != len(self.tokens)
+            or self.meta.get("tokens", -1) + self.meta.get("documents", -1) != len(self.tokens)
+        ):
             raise SpecDecodeError(f"{path}: a datastore of another version or a damaged one; build it again")
         if fingerprint is not None and self.meta.get("fingerprint") != fingerprint:
-            raise SpecDecodeError(f"the datastore {path} was built with a different tokenizer "
-                                  f"({self.meta.get('tokenizer', 'unknown')}); build it with this model's")
+            raise SpecDecodeError(
+                f"the datastore {path} was built with a different tokenizer "
+                f"({self.meta.get('tokenizer', 'unknown')}); build it with this model's"
+            )
         self.path, self.max_n = path, max_n
         m = _libdivsufsort()
         wide = self.sa.dtype == np.int64
@@ -117,9 +133,9 @@ class Datastore:
         freq = np.zeros(self.meta["vocab_size"], dtype=np.int64)
         step = 1 << 24
         for i in range(0, len(self.tokens), step):
-            chunk = np.asarray(self.tokens[i:i + step], dtype=np.int64)
+            chunk = np.asarray(self.tokens[i : i + step], dtype=np.int64)
             chunk = chunk[chunk != DATASTORE_SEP]
-            freq += np.bincount(chunk, minlength=len(freq))[:len(freq)]
+            freq += np.bincount(chunk, minlength=len(freq))[: len(freq)]
         try:
             np.save(path, freq)
         except OSError:
@@ -136,8 +152,15 @@ class Datastore:
         """(occurrences of the token sequence, the first of them in the suffix array)."""
         P = np.asarray(pattern, dtype=">u4").tobytes()
         left = self._int()
-        c = self._search(self._T, self._int(len(self._bytes)), P, self._int(len(P)), self._SA,
-                         self._int(len(self.sa)), ctypes.byref(left))
+        c = self._search(
+            self._T,
+            self._int(len(self._bytes)),
+            P,
+            self._int(len(P)),
+            self._SA,
+            self._int(len(self.sa)),
+            ctypes.byref(left),
+        )
         if c < 0:
             raise SpecDecodeError(f"suffix array search failed ({c})")
         return int(c), int(left.value)
@@ -170,13 +193,39 @@ class Datastore:
         out = []
         for row, end in zip(rows.tolist(), ends.tolist()):
             if DATASTORE_SEP in row:
-                row = row[:row.index(DATASTORE_SEP)]
-            out.append(row[:max(0, len(self.tokens) - end)])
+                row = row[: row.index(DATASTORE_SEP)]
+            out.append(row[: max(0, len(self.tokens) - end)])
         return out
 
 
-TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt", ".json", ".toml", ".yaml", ".yml", ".cfg", ".ini", ".c", ".h",
-                 ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js", ".ts", ".sh", ".html", ".css", ".sql", ".tex")
+TEXT_SUFFIXES = (
+    ".py",
+    ".pyi",
+    ".md",
+    ".rst",
+    ".txt",
+    ".json",
+    ".toml",
+    ".yaml",
+    ".yml",
+    ".cfg",
+    ".ini",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".hpp",
+    ".rs",
+    ".go",
+    ".java",
+    ".js",
+    ".ts",
+    ".sh",
+    ".html",
+    ".css",
+    ".sql",
+    ".tex",
+)
 
 
 def text_files(paths: list[str], suffixes=TEXT_SUFFIXES) -> list[Path]:
@@ -196,8 +245,16 @@ def text_files(paths: list[str], suffixes=TEXT_SUFFIXES) -> list[Path]:
     return files
 
 
-def index_files(paths: list[str], tokenizer, out: str | Path, *, suffixes=TEXT_SUFFIXES, progress: bool = True,
-                info: dict | None = None, batch: int = 64) -> dict:
+def index_files(
+    paths: list[str],
+    tokenizer,
+    out: str | Path,
+    *,
+    suffixes=TEXT_SUFFIXES,
+    progress: bool = True,
+    info: dict | None = None,
+    batch: int = 64,
+) -> dict:
     """`specdecode index`: tokenize every file (one document each; undecodable bytes replaced) with
     the target's tokenizer and build a datastore in `out`."""
     files = text_files(paths, suffixes)
@@ -205,10 +262,16 @@ def index_files(paths: list[str], tokenizer, out: str | Path, *, suffixes=TEXT_S
 
     def docs():
         from tqdm import tqdm
-        bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="tokenizing",
-                   disable=not progress)
+
+        bar = tqdm(
+            total=sum(f.stat().st_size for f in files),
+            unit="B",
+            unit_scale=True,
+            desc="tokenizing",
+            disable=not progress,
+        )
         for i in range(0, len(files), batch):
-            chunk = files[i:i + batch]
+            chunk = files[i : i + batch]
             texts = [f.read_text(encoding="utf-8", errors="replace") for f in chunk]
             keep = [t for t in texts if t.strip()]
             if keep:  # a fast tokenizer encodes a batch on every core
@@ -217,5 +280,6 @@ def index_files(paths: list[str], tokenizer, out: str | Path, *, suffixes=TEXT_S
         bar.close()
 
     info = {"files": len(files), "tokenizer": getattr(tokenizer, "name_or_path", ""), **(info or {})}
-    return build_datastore(docs(), out, tokenizer_fingerprint(tokenizer), vocab_size=vocab_size, progress=progress,
-                           info=info)
+    return build_datastore(
+        docs(), out, tokenizer_fingerprint(tokenizer), vocab_size=vocab_size, progress=progress, info=info
+    )

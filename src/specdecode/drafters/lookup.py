@@ -16,6 +16,7 @@ planner (planning/tree.py) turns (source, n-gram length, freq, depth) into a cal
 weighs the guesses against the draft model's with the measured pass costs. Every guess is one-hot
 (deterministic), so any choice of guesses keeps the target's distribution (verify_tree's contract).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -32,6 +33,7 @@ SOURCES = ("context", "history", "datastore", "prediction")
 @dataclass
 class Guess:
     """One node of a lookup tree (parents come before children)."""
+
     token: int
     parent: int  # index in the guess list, -1 = after the last committed token
     depth: int
@@ -80,8 +82,13 @@ class Lookup:
     context (always), the engine's History and a Datastore (when given). copies: the texts the output is
     followed through (copy.Alignment: a prediction, the prompt), best first."""
 
-    def __init__(self, history: History | None = None, datastore: Datastore | None = None,
-                 max_matches: int = MAX_MATCHES, copies: list[Alignment] | None = None):
+    def __init__(
+        self,
+        history: History | None = None,
+        datastore: Datastore | None = None,
+        max_matches: int = MAX_MATCHES,
+        copies: list[Alignment] | None = None,
+    ):
         self.history, self.datastore = history, datastore
         self.max_matches = max_matches
         self.context = NgramIndex()
@@ -89,8 +96,11 @@ class Lookup:
 
     def _indexes(self) -> list:
         """(name, index) of every source it has, in SOURCES order: each answers lookup(text, depth, limit)."""
-        return [(name, index) for name, index in zip(SOURCES, (self.context, self.history, self.datastore))
-                if index is not None]
+        return [
+            (name, index)
+            for name, index in zip(SOURCES, (self.context, self.history, self.datastore))
+            if index is not None
+        ]
 
     @property
     def sources(self) -> list[str]:
@@ -109,8 +119,18 @@ class Lookup:
             g = c.guess(ids, depth) if c.source == "prediction" else None
             prev, base = 1.0, len(out)
             for j, (x, v) in enumerate(zip(g.tokens, g.values) if g is not None else ()):
-                out.append(Guess(x, base + j - 1 if j else -1, j + 1, 1, 1.0, g.run, c.source,
-                                 value=v / prev if prev > 0 else 0.0))
+                out.append(
+                    Guess(
+                        x,
+                        base + j - 1 if j else -1,
+                        j + 1,
+                        1,
+                        1.0,
+                        g.run,
+                        c.source,
+                        value=v / prev if prev > 0 else 0.0,
+                    )
+                )
                 prev = v
         return out
 
@@ -124,7 +144,7 @@ class Lookup:
     def tree(self, ids: list[int], max_depth: int, max_nodes: int) -> list[Guess]:
         """Guesses from every source (each its own tree; context first), parents before children."""
         if len(self.context) < len(ids):
-            self.context.extend(ids[len(self.context):])
+            self.context.extend(ids[len(self.context) :])
         out: list[Guess] = self.copy_guesses(ids, max_depth) if max_depth > 0 else []
         for source, index in self._indexes() if max_depth > 0 else ():
             n, conts, refs = index.lookup(ids, max_depth, self.max_matches)

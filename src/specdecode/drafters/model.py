@@ -2,6 +2,7 @@
 proposes a chain of gamma tokens; the tree drafter (tree.TreeDrafter) grows trees with its root and expand
 passes. It sees a window of the text (DRAFT_WINDOW), and its output layer may be truncated (FR-Spec).
 """
+
 from __future__ import annotations
 
 import torch
@@ -115,7 +116,7 @@ class DraftModel:
             w = self.view_window
             self.offset = self._late_start(max(0, len(ids) - w), len(ids)) if w is not None else 0
             self.lm.reset()
-            self.lm.forward(ids[self.offset:], last_only=True)
+            self.lm.forward(ids[self.offset :], last_only=True)
 
     def root(self, ids: list[int], read=None) -> tuple[torch.Tensor, int]:
         """Logits [V] of the token after ids, and how many tokens this pass fed. Cache invariant:
@@ -126,7 +127,7 @@ class DraftModel:
         if offset != self.offset:
             self.offset = offset
             self.lm.reset()
-        pending = ids[self.offset + len(self.lm):]
+        pending = ids[self.offset + len(self.lm) :]
         if read is not None and len(pending) > CATCHUP_APART:
             read(lambda: self.lm.forward(pending[:-1], last_only=True))
             return self._full(self.lm.forward(pending[-1:], last_only=True)[-1]), len(pending)
@@ -172,5 +173,7 @@ def check_compatible(target_tok, draft_tok) -> None:
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     if tv != dv:
         diff = len(set(tv.items()) ^ set(dv.items()))
-        raise SpecDecodeError(f"draft and target tokenizers differ ({len(dv)} vs {len(tv)} tokens, "
-                              f"{diff} entries disagree); speculative decoding needs the same vocabulary")
+        raise SpecDecodeError(
+            f"draft and target tokenizers differ ({len(dv)} vs {len(tv)} tokens, "
+            f"{diff} entries disagree); speculative decoding needs the same vocabulary"
+        )

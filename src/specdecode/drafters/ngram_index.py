@@ -4,6 +4,7 @@ A dict of tuples to lists of positions costs about 200 bytes a token (a tuple, a
 so a long prediction or prompt followed by several requests at once would hold megabytes each; here the n-grams are
 packed into one 64-bit key each and sorted with their positions, and a look-up is a binary search.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -29,7 +30,7 @@ class NgramIndex:
         if top >= 1 << TOKEN_BITS or min(tokens, default=0) < 0:
             raise ValueError(f"token ids must be in [0, 2**{TOKEN_BITS}), got {top}")
         ends = range(n, len(tokens) + 1)
-        packed = sorted(self._pack(tokens[end - n:end]) << POS_BITS | end for end in ends)
+        packed = sorted(self._pack(tokens[end - n : end]) << POS_BITS | end for end in ends)
         self._keys, self._ends = array("q", bytes(8 * len(packed))), array("i", bytes(4 * len(packed)))  # exact sizes
         low = (1 << POS_BITS) - 1
         for i, x in enumerate(packed):
@@ -46,7 +47,7 @@ class NgramIndex:
         if len(ngram) != self.n or any(not 0 <= t < 1 << TOKEN_BITS for t in ngram):
             return array("i")
         key = self._pack(ngram)
-        return self._ends[bisect_left(self._keys, key):bisect_right(self._keys, key)]
+        return self._ends[bisect_left(self._keys, key) : bisect_right(self._keys, key)]
 
     def __len__(self) -> int:
         return len(self._ends)

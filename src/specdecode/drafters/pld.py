@@ -1,4 +1,5 @@
 """Prompt lookup decoding: a chain continuing the latest earlier occurrence of the text's last tokens."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,13 +34,13 @@ class PromptLookup:
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             # match[s]: the n tokens from s (s = 0..L-1-n) equal the last n; one comparison per offset
             # (a sliding_window_view costs ~10x more on the short texts a step usually sees)
-            match = arr[:L - n] == arr[L - n]
+            match = arr[: L - n] == arr[L - n]
             for k in range(1, n):
-                match &= arr[k:L - n + k] == arr[L - n + k]
+                match &= arr[k : L - n + k] == arr[L - n + k]
             hits = np.flatnonzero(match)
             if len(hits):
                 start = int(hits[-1]) + n
-                tokens = arr[start:start + gamma].tolist()
+                tokens = arr[start : start + gamma].tolist()
                 if tokens:
                     self.last_ngram = n
                     return Draft(tokens, None, strategy="lookup", sources=["context"] * len(tokens))

@@ -1,5 +1,6 @@
 """The n-gram tables of lookup drafting: the context's (NgramIndex, over the prompt and output) and the
 engine's History of earlier outputs. Each answers lookup(text, depth, limit) for the lookup drafter."""
+
 from __future__ import annotations
 
 import bisect
@@ -32,7 +33,7 @@ class NgramIndex:
             for n in range(1, self.max_n + 1):
                 if n > end or toks[end - n] == SEP:
                     break
-                ends.setdefault(tuple(toks[end - n:end]), []).append(end)
+                ends.setdefault(tuple(toks[end - n : end]), []).append(end)
 
     def match(self, text: list[int], limit: int, live=None) -> tuple[int, list[int]]:
         """(n, ends): the longest suffix of text (n <= max_n) that occurred with a continuation, and
@@ -50,8 +51,8 @@ class NgramIndex:
         return 0, []
 
     def continuation(self, end: int, depth: int) -> list[int]:
-        out = self.tokens[end:end + depth]
-        return out[:out.index(SEP)] if SEP in out else out
+        out = self.tokens[end : end + depth]
+        return out[: out.index(SEP)] if SEP in out else out
 
     def lookup(self, text: list[int], depth: int, limit: int) -> tuple[int, list[list[int]], list]:
         """(n, continuations up to depth tokens, their refs): what a source gives the drafter."""

@@ -12,6 +12,7 @@ alternative, failed (measured: docs/results/notes.md#code-hugepages).
 
 SPECDECODE_HUGEPAGES=0 turns it off. Peers that `bench` and `loadtest` start get the environment as it was before
 (`user_env`): they run as a user would start them. Library users can set the variable themselves."""
+
 from __future__ import annotations
 
 import os
@@ -45,10 +46,18 @@ def restart_argv(environ=os.environ) -> tuple[list[str], dict] | None:
     possible: off Linux/glibc < 2.35, THP mode not `madvise` (`always` has them already, `never` cannot),
     turned off (SPECDECODE_HUGEPAGES=0), or already asked for (by us or the user)."""
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if (environ.get("SPECDECODE_HUGEPAGES", "1") == "0" or BEFORE in environ or "glibc.malloc.hugetlb" in tunables
-            or not sys.platform.startswith("linux") or not _glibc_has_tunable() or _thp_mode() != "madvise"
-            or not getattr(sys, "orig_argv", None) or not sys.executable or getattr(sys, "frozen", False)
-            or sys.flags.interactive):
+    if (
+        environ.get("SPECDECODE_HUGEPAGES", "1") == "0"
+        or BEFORE in environ
+        or "glibc.malloc.hugetlb" in tunables
+        or not sys.platform.startswith("linux")
+        or not _glibc_has_tunable()
+        or _thp_mode() != "madvise"
+        or not getattr(sys, "orig_argv", None)
+        or not sys.executable
+        or getattr(sys, "frozen", False)
+        or sys.flags.interactive
+    ):
         return None
     env = dict(environ)
     env[BEFORE] = tunables
@@ -79,7 +88,7 @@ def launched_as_command(orig_argv=None) -> bool:
     while i < len(argv):
         a = argv[i]
         if a == "-m":
-            return argv[i + 1:i + 2] in (["specdecode"], ["specdecode.cli"])
+            return argv[i + 1 : i + 2] in (["specdecode"], ["specdecode.cli"])
         if a in ("-c", "-") or not a.startswith("-"):  # code, stdin, or a script: the command only as its own script
             return a not in ("-c", "-") and os.path.basename(a) == "specdecode"
         i += 2 if a in ("-X", "-W") else 1  # an option (with its argument)
@@ -112,5 +121,8 @@ def status(environ=os.environ) -> str:
     on = setting not in ("", "glibc.malloc.hugetlb=0")
     mode = _thp_mode() or "n/a"
     how = f"restarted with GLIBC_TUNABLES={TUNABLE}" if BEFORE in environ else f"{setting} set by the user"
-    return (f"transparent huge pages: on for large allocations ({how}); kernel mode {mode}" if on
-            else f"transparent huge pages: not asked for; kernel mode {mode}")
+    return (
+        f"transparent huge pages: on for large allocations ({how}); kernel mode {mode}"
+        if on
+        else f"transparent huge pages: not asked for; kernel mode {mode}"
+    )

@@ -1,4 +1,5 @@
 """The command's heavy imports with the cyclic garbage collector paused, then frozen."""
+
 from __future__ import annotations
 
 import gc

@@ -3,6 +3,7 @@ memory available.
 
 A leaf: it imports nothing from the package, so costs, models and llamacpp can all read it without an
 import cycle."""
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,11 @@ NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as 2**63 rounded down to a pag
 def memory_available(proc: Path = PROC, cgroup: Path = CGROUP) -> int | None:
     """Bytes this process may still take: the kernel's MemAvailable, or less where a cgroup limits the process (a
     container: the smaller figure counts). None where neither is known."""
-    known = [b for b in (_meminfo_available(proc / "meminfo"), cgroup_available(proc / "self" / "cgroup", cgroup))
-             if b is not None]
+    known = [
+        b
+        for b in (_meminfo_available(proc / "meminfo"), cgroup_available(proc / "self" / "cgroup", cgroup))
+        if b is not None
+    ]
     return min(known, default=None)
 
 

@@ -1,4 +1,5 @@
 """Threads as the OS sees them: a name that `top -H`, /proc and the load test's per-thread CPU split show."""
+
 from __future__ import annotations
 
 import sys
@@ -11,6 +12,7 @@ def name_thread(name: str) -> None:
         return
     try:
         import ctypes
+
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
     except Exception:  # noqa: BLE001 - a name is a convenience: never let it break the thread that asks
         pass

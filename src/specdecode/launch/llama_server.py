@@ -11,6 +11,7 @@ binaries need nothing from the build tree) and installs the two programs into
 
 About 11 minutes on 2 cores. `find_binary("llama-server")` finds it there afterwards (then on PATH).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,16 @@ from pathlib import Path
 from ..host import cache_dir
 
 TARGETS = ("llama-server", "llama-batched-bench")
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
-               "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+)
 
 
 def cmake_flags() -> tuple[str, ...]:
@@ -38,6 +46,7 @@ def cmake_flags() -> tuple[str, ...]:
     Read at build time: backends/ loads torch, which finding the binary (the load test) never needs."""
     if platform.machine() in ("x86_64", "AMD64"):
         from ..backends import NO_AMX_FLAGS
+
         return CMAKE_FLAGS + NO_AMX_FLAGS
     return CMAKE_FLAGS
 
@@ -68,16 +77,35 @@ def _fetch_source(version: str, work: Path, log) -> Path:
     dl = work / "sdist"
     dl.mkdir(parents=True, exist_ok=True)
     log(f"downloading llama-cpp-python=={version} (source package) with pip")
-    subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
-                    "--no-binary", ":all:", "-d", str(dl)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"llama-cpp-python=={version}",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(dl),
+        ],
+        check=True,
+    )
     archive = next(dl.glob("llama_cpp_python-*.tar.gz"))
     with tarfile.open(archive) as tar:
         tar.extractall(work, filter="data")
-    return work / archive.name[:-len(".tar.gz")]
+    return work / archive.name[: -len(".tar.gz")]
 
 
-def build(version: str | None = None, src: str | Path | None = None, jobs: int = 2, nice: int = 10,
-          keep_build: bool = False, log=print) -> Path:
+def build(
+    version: str | None = None,
+    src: str | Path | None = None,
+    jobs: int = 2,
+    nice: int = 10,
+    keep_build: bool = False,
+    log=print,
+) -> Path:
     """Build llama-server and llama-batched-bench into bin_dir(version); returns that directory.
     `src`: an unpacked llama-cpp-python source package (or its vendor/llama.cpp) to skip the download."""
     version = version or llama_cpp_version()
@@ -95,15 +123,18 @@ def build(version: str | None = None, src: str | Path | None = None, jobs: int =
         log(f"configuring {tree}")
         subprocess.run([*prefix, "cmake", "-S", str(tree), "-B", str(build_dir), *flags], check=True)
         log(f"building {' '.join(TARGETS)} with {jobs} jobs (about 11 minutes on 2 cores)")
-        subprocess.run([*prefix, "cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
-                        "--target", *TARGETS], check=True)
+        subprocess.run(
+            [*prefix, "cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *TARGETS],
+            check=True,
+        )
         out.mkdir(parents=True, exist_ok=True)
         for name in TARGETS:
             shutil.copy2(build_dir / "bin" / name, out / name)
         version_text = subprocess.run([str(out / "llama-server"), "--version"], capture_output=True, text=True)
         (out.parent / "BUILD_INFO.txt").write_text(
             f"llama-cpp-python {version}\nsource {tree}\nflags {' '.join(flags)}\n"
-            f"build seconds {time.perf_counter() - t0:.0f}\n{version_text.stdout}{version_text.stderr}")
+            f"build seconds {time.perf_counter() - t0:.0f}\n{version_text.stdout}{version_text.stderr}"
+        )
         log(f"installed {', '.join(TARGETS)} in {out} ({time.perf_counter() - t0:.0f} s)")
         return out
     finally:

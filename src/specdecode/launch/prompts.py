@@ -1,5 +1,6 @@
 """The prompt files of `specdecode bench` and `specdecode loadtest`: JSONL, a prompt (completion) or chat turns per
 line."""
+
 from __future__ import annotations
 
 import json

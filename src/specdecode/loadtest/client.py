@@ -19,6 +19,7 @@ concurrency > 1 is compared with the same prompt's answer from the solo level (c
 answer of a later solo level (a second round on the same server); a mismatch is reported (where it starts),
 it does not stop the run.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,14 @@ def percentile(values, q: float) -> float | None:
 
 def request_body(row: dict, model: str, max_tokens: int, extra: dict | None = None) -> tuple[str, dict]:
     """extra: more fields a server needs to decode greedily (llama-cpp-python's: its repeat_penalty)."""
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, **(extra or {})}
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(extra or {}),
+    }
     if row.get("chat"):
         body["messages"] = [{"role": "user", "content": row["prompt"]}]
         return "/v1/chat/completions", body
@@ -50,8 +57,17 @@ def request_body(row: dict, model: str, max_tokens: int, extra: dict | None = No
     return "/v1/completions", body
 
 
-async def one_request(client, url: str, model: str, row: dict, max_tokens: int, clock=time.perf_counter,
-                      extra: dict | None = None, body: dict | None = None, hang_up=None) -> dict:
+async def one_request(
+    client,
+    url: str,
+    model: str,
+    row: dict,
+    max_tokens: int,
+    clock=time.perf_counter,
+    extra: dict | None = None,
+    body: dict | None = None,
+    hang_up=None,
+) -> dict:
     """Send one request; returns its record (see the module's docstring). body: the request as sent (default:
     request_body's, streamed; chat where it has `messages`); a body without `stream` gets its JSON answer read.
     hang_up(rec): asked before each line of a stream (first right after its headers), True closes the connection
@@ -61,9 +77,20 @@ async def one_request(client, url: str, model: str, row: dict, max_tokens: int, 
     else:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     chat = "messages" in body
-    rec = {"id": row["id"], "status": None, "error": None, "text": "", "usage_tokens": None, "prompt_tokens": None,
-           "finish_reason": None, "spec_finish": None, "done": False, "error_event": False, "keepalives": 0,
-           "hung_up": False}
+    rec = {
+        "id": row["id"],
+        "status": None,
+        "error": None,
+        "text": "",
+        "usage_tokens": None,
+        "prompt_tokens": None,
+        "finish_reason": None,
+        "spec_finish": None,
+        "done": False,
+        "error_event": False,
+        "keepalives": 0,
+        "hung_up": False,
+    }
     times = []
     start = clock()
     try:
@@ -145,15 +172,25 @@ def _read_answer(obj: dict, rec: dict, chat: bool) -> None:
     rec["done"] = True
 
 
-async def run_level_async(url: str, model: str, rows: list[dict], concurrency: int, max_tokens: int,
-                          timeout: float = 600.0, clock=time.perf_counter, transport=None,
-                          extra: dict | None = None) -> tuple[dict, list[dict]]:
+async def run_level_async(
+    url: str,
+    model: str,
+    rows: list[dict],
+    concurrency: int,
+    max_tokens: int,
+    timeout: float = 600.0,
+    clock=time.perf_counter,
+    transport=None,
+    extra: dict | None = None,
+) -> tuple[dict, list[dict]]:
     """Send `rows` (one request each, in order) with `concurrency` clients; returns (summary, records)."""
     import httpx
+
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     pending = iter(rows)
     records: list[dict] = []
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+
         async def worker():
             for row in pending:  # one shared iterator: each row goes to whichever client is free first
                 records.append(await one_request(client, url, model, row, max_tokens, clock, extra))
@@ -177,11 +214,18 @@ def summarize_level(records: list[dict], wall_s: float, concurrency: int) -> dic
     e2e = [r["e2e_s"] for r in ok]
     errors = [r for r in records if r["error"] is not None]
     kinds = Counter(r["error"][:120] for r in errors)
-    out = {"concurrency": concurrency, "requests": len(records), "ok": len(ok), "errors": len(errors),
-           "errors_5xx": sum(1 for r in errors if r["status"] is not None and r["status"] >= 500),
-           "error_kinds": dict(kinds.most_common(5)), "completion_tokens": tokens, "wall_s": wall_s,
-           "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
-           "requests_per_s": len(ok) / wall_s if wall_s > 0 else None}
+    out = {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(errors),
+        "errors_5xx": sum(1 for r in errors if r["status"] is not None and r["status"] >= 500),
+        "error_kinds": dict(kinds.most_common(5)),
+        "completion_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+    }
     for name, xs in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e)):
         out[f"{name}_p50_s"] = percentile(xs, 50)
         out[f"{name}_p99_s"] = percentile(xs, 99)
@@ -205,8 +249,15 @@ def greedy_mismatches(solo: dict[str, str], records: list[dict], concurrency: in
             continue
         at = first_difference(ref, r["text"])
         if at is not None:
-            out.append({"id": r["id"], "concurrency": concurrency, "at_char": at,
-                        "solo": ref[max(0, at - 20):at + 40], "got": r["text"][max(0, at - 20):at + 40]})
+            out.append(
+                {
+                    "id": r["id"],
+                    "concurrency": concurrency,
+                    "at_char": at,
+                    "solo": ref[max(0, at - 20) : at + 40],
+                    "got": r["text"][max(0, at - 20) : at + 40],
+                }
+            )
     return out
 
 
@@ -220,14 +271,26 @@ def level_rows(prompts: list[dict], concurrency: int, requests: int | None) -> l
 def server_model(url: str, timeout: float = 30.0) -> str:
     """The first model id the server lists at /v1/models (what our server requires as `model`)."""
     from ..launch import http
+
     r = http.get(url.rstrip("/") + "/v1/models", timeout=timeout)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 
 
-def measure_server(url: str, prompts: list[dict], levels: list[int], max_tokens: int, requests: int | None = None,
-                   timeout: float = 600.0, warmup: bool = True, model: str | None = None, log=print,
-                   solo: dict[str, str] | None = None, extra: dict | None = None, on_start=None) -> dict:
+def measure_server(
+    url: str,
+    prompts: list[dict],
+    levels: list[int],
+    max_tokens: int,
+    requests: int | None = None,
+    timeout: float = 600.0,
+    warmup: bool = True,
+    model: str | None = None,
+    log=print,
+    solo: dict[str, str] | None = None,
+    extra: dict | None = None,
+    on_start=None,
+) -> dict:
     """Every concurrency level against one running server: {"levels": [...], "mismatches": [...],
     "solo": {id: text}}. The solo answers come from level 1 (or `solo`, from an earlier run). `extra`: fields
     added to every request body. `on_start`: called after the warm-up, right before the levels' load."""
@@ -239,8 +302,7 @@ def measure_server(url: str, prompts: list[dict], levels: list[int], max_tokens:
     solo = {} if solo is None else solo  # filled in place by level 1
     out = {"levels": [], "mismatches": [], "requests": [], "solo": solo}
     for c in levels:
-        summary, records = run_level(url, model, level_rows(prompts, c, requests), c, max_tokens, timeout,
-                                     extra=extra)
+        summary, records = run_level(url, model, level_rows(prompts, c, requests), c, max_tokens, timeout, extra=extra)
         earlier = dict(solo)  # concurrency 1 again (a later round) is checked against the first answers
         if c == 1:
             for r in records:
@@ -257,15 +319,29 @@ def measure_server(url: str, prompts: list[dict], levels: list[int], max_tokens:
     return out
 
 
-COMPACT = ("id", "status", "error", "tokens", "chunks", "usage_tokens", "prompt_tokens", "finish_reason", "ttft_s",
-           "tpot_s", "e2e_s")
+COMPACT = (
+    "id",
+    "status",
+    "error",
+    "tokens",
+    "chunks",
+    "usage_tokens",
+    "prompt_tokens",
+    "finish_reason",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+)
 
 
 def format_summary(s: dict) -> str:
     def ms(x):
         return "n/a" if x is None else f"{x * 1000:.0f} ms"
+
     rate = "n/a" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.2f}"
-    return (f"  concurrency {s['concurrency']}: {s['ok']}/{s['requests']} ok, {rate} tok/s, "
-            f"TTFT p50 {ms(s['ttft_p50_s'])} p99 {ms(s['ttft_p99_s'])}, ITL p50 {ms(s['itl_p50_s'])} "
-            f"p99 {ms(s['itl_p99_s'])}, errors {s['errors']} (5xx {s['errors_5xx']}), "
-            f"greedy mismatches {s.get('greedy_mismatches', 0)}")
+    return (
+        f"  concurrency {s['concurrency']}: {s['ok']}/{s['requests']} ok, {rate} tok/s, "
+        f"TTFT p50 {ms(s['ttft_p50_s'])} p99 {ms(s['ttft_p99_s'])}, ITL p50 {ms(s['itl_p50_s'])} "
+        f"p99 {ms(s['itl_p99_s'])}, errors {s['errors']} (5xx {s['errors_5xx']}), "
+        f"greedy mismatches {s.get('greedy_mismatches', 0)}"
+    )

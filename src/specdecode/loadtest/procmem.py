@@ -11,6 +11,7 @@ all the others (HTTP, event loop, tokenizer, logging). On a machine with as many
 every CPU second spent outside the decoding threads is taken from them: the load test reports it per
 completion token for every server, so a gap between servers at one stream can be laid at its door or not.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,6 +22,7 @@ MIB = 1024 * 1024
 def rss_bytes(pid: int) -> int | None:
     """The RSS of `pid` and all its descendants, in bytes; None where `pid` is gone (or cannot be read)."""
     import psutil
+
     try:
         proc = psutil.Process(pid)
         total = proc.memory_info().rss
@@ -68,8 +70,13 @@ class MemorySampler:
 
     def result(self) -> dict:
         mib = lambda b: None if b is None else round(b / MIB, 1)  # noqa: E731
-        return {"rss_before_mib": mib(self.before), "rss_peak_mib": mib(self.peak), "rss_after_mib": mib(self.after),
-                "samples": self.samples, "interval_s": self.interval}
+        return {
+            "rss_before_mib": mib(self.before),
+            "rss_peak_mib": mib(self.peak),
+            "rss_after_mib": mib(self.after),
+            "samples": self.samples,
+            "interval_s": self.interval,
+        }
 
 
 TOTAL = -1  # thread_cpu's key for the processes' own totals (threads that ended since count there too)
@@ -80,6 +87,7 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]] | None:
     thread's name where /proc gives it, and under TOTAL the processes' totals (which keep the time of threads
     that have ended); None where `pid` is gone (or cannot be read)."""
     import psutil
+
     try:
         procs = [psutil.Process(pid)]
         procs += procs[0].children(recursive=True)
@@ -106,12 +114,18 @@ def cpu_split(before: dict | None, after: dict | None, compute: int) -> dict | N
     count from zero), split into the `compute` busiest and the others; None without both readings."""
     if before is None or after is None:
         return None
-    spent = sorted(((cpu - before.get(tid, ("", 0.0))[1], name) for tid, (name, cpu) in after.items()
-                    if tid != TOTAL), reverse=True)
+    spent = sorted(
+        ((cpu - before.get(tid, ("", 0.0))[1], name) for tid, (name, cpu) in after.items() if tid != TOTAL),
+        reverse=True,
+    )
     spent = [(max(0.0, s), name) for s, name in spent]
     top = sum(s for s, _ in spent[:compute])
     others = sum(s for s, _ in spent[compute:])
     if TOTAL in before and TOTAL in after:  # the whole processes' time less the busiest: ended threads included
         others = max(others, after[TOTAL][1] - before[TOTAL][1] - top)
-    return {"compute_threads": compute, "compute_cpu_s": round(top, 3), "other_cpu_s": round(others, 3),
-            "busiest": [[name, round(s, 3)] for s, name in spent[:compute + 4]]}
+    return {
+        "compute_threads": compute,
+        "compute_cpu_s": round(top, 3),
+        "other_cpu_s": round(others, 3),
+        "busiest": [[name, round(s, 3)] for s, name in spent[: compute + 4]],
+    }

@@ -14,6 +14,7 @@ Kinds of request (each record has `kind` and `variant`):
 Every request goes through `client.one_request` (the load benchmark's client) where it is JSON, or a plain POST of
 raw bytes where it is not; a refused connection (the server restarting) is marked `refused`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,7 @@ from .client import one_request
 KIND_WEIGHTS = {"honest": 0.6, "disconnect": 0.16, "deadline": 0.04, "oversized": 0.04, "malformed": 0.16}
 OVERSIZED_BYTES = (8 << 20) + (1 << 20)  # past the server's 8 MiB body limit (server.app.MAX_BODY_BYTES)
 STOPS = ["\n\n", ["\n", "return"], ".", ["}", ")"]]
-FILLER = ("The quick brown fox jumps over the lazy dog while the compiler checks every branch of the program. ")
+FILLER = "The quick brown fox jumps over the lazy dog while the compiler checks every branch of the program. "
 PROMPTS = [
     {"id": "fib", "prompt": "def fibonacci(n):", "chat": False},
     {"id": "sort", "prompt": "Write a Python function that sorts a list of dictionaries by a key.", "chat": True},
@@ -39,8 +40,10 @@ PROMPTS = [
 
 def malformed_bodies(model: str) -> list[tuple[str, str, bytes]]:
     """(variant, path, raw body) of requests a server must refuse with a 4xx."""
+
     def js(obj) -> bytes:
         return json.dumps(obj).encode()
+
     c, chat = "/v1/completions", "/v1/chat/completions"
     return [
         ("truncated-json", c, b'{"model": "' + model.encode() + b'", "prompt": "def f('),
@@ -52,8 +55,11 @@ def malformed_bodies(model: str) -> list[tuple[str, str, bytes]]:
         ("unknown-model", c, js({"model": model + "-nope", "prompt": "x"})),
         ("no-messages", chat, js({"model": model, "messages": []})),
         ("bad-role", chat, js({"model": model, "messages": [{"role": "wizard", "content": "x"}]})),
-        ("lone-surrogate", chat, ('{"model": %s, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
-                                  % json.dumps(model)).encode()),
+        (
+            "lone-surrogate",
+            chat,
+            ('{"model": %s, "messages": [{"role": "user", "content": "a\\ud800b"}]}' % json.dumps(model)).encode(),
+        ),
         ("negative-max-tokens", c, js({"model": model, "prompt": "x", "max_tokens": -1})),
         ("n-3", c, js({"model": model, "prompt": "x", "n": 3})),
         ("logprobs", c, js({"model": model, "prompt": "x", "logprobs": 5})),
@@ -67,8 +73,9 @@ def long_prompt(row: dict, chars: int) -> str:
     return (FILLER * (chars // len(FILLER) + 1))[:chars] + "\n\n" + row["prompt"]
 
 
-def honest_body(rng: random.Random, row: dict, model: str, max_tokens: int, answers: dict,
-                stream: bool | None = None) -> tuple[str, dict]:
+def honest_body(
+    rng: random.Random, row: dict, model: str, max_tokens: int, answers: dict, stream: bool | None = None
+) -> tuple[str, dict]:
     """An honest request on `row` (variant, body); answers: the last text per request (for `prediction`)."""
     chat = row.get("chat", False) if rng.random() < 0.7 else not row.get("chat", False)
     body: dict = {"model": model}
@@ -91,25 +98,44 @@ def honest_body(rng: random.Random, row: dict, model: str, max_tokens: int, answ
         body["messages"][0]["content"] += " Answer in two sentences."
     if rng.random() < 0.2:
         body["prediction"] = {"type": "content", "content": answers.get(request_key(body)) or row["prompt"]}
-    variant = "/".join([("chat" if chat else "completions"), ("greedy" if greedy else "sampled"),
-                        ("stream" if body["stream"] else "json")] + (["stop"] if "stop" in body else []) +
-                       (["max_tokens"] if "max_tokens" in body else []) +
-                       (["prediction"] if "prediction" in body else []))
+    variant = "/".join(
+        [
+            ("chat" if chat else "completions"),
+            ("greedy" if greedy else "sampled"),
+            ("stream" if body["stream"] else "json"),
+        ]
+        + (["stop"] if "stop" in body else [])
+        + (["max_tokens"] if "max_tokens" in body else [])
+        + (["prediction"] if "prediction" in body else [])
+    )
     return variant, body
 
 
 def request_key(body: dict) -> str:
     """The request without what only shapes its delivery (its prediction, streaming): what its answer depends on."""
-    return json.dumps({k: v for k, v in body.items() if k not in ("prediction", "stream", "stream_options")},
-                      sort_keys=True)
+    return json.dumps(
+        {k: v for k, v in body.items() if k not in ("prediction", "stream", "stream_options")}, sort_keys=True
+    )
 
 
 class Traffic:
     """The mix of requests one soak sends: `next()` draws a kind and sends one request of it, returning its
     record. `state["generation"]`: which server process is serving (0 before the restart, 1 after)."""
 
-    def __init__(self, client, url: str, model: str, *, seed: int, prompts: list[dict], max_tokens: int,
-                 long_chars: int, too_long_chars: int, state: dict, weights: dict | None = None):
+    def __init__(
+        self,
+        client,
+        url: str,
+        model: str,
+        *,
+        seed: int,
+        prompts: list[dict],
+        max_tokens: int,
+        long_chars: int,
+        too_long_chars: int,
+        state: dict,
+        weights: dict | None = None,
+    ):
         self.client, self.url, self.model = client, url, model
         self.rng = random.Random(seed)
         self.prompts, self.max_tokens = prompts, max_tokens
@@ -132,8 +158,9 @@ class Traffic:
         t0 = time.perf_counter()
         rec = await send(self)
         rec.update(i=i, kind=kind, generation=generation, t_start=t0, t_end=time.perf_counter())
-        rec["refused"] = (rec.get("status") is None and rec.get("error") is not None and
-                          rec["error"].startswith("ConnectError"))
+        rec["refused"] = (
+            rec.get("status") is None and rec.get("error") is not None and rec["error"].startswith("ConnectError")
+        )
         return rec
 
     async def _send(self, body: dict, variant: str, hang_up=None, give_up_s: float | None = None) -> dict:
@@ -161,8 +188,13 @@ class Traffic:
     async def _disconnect(self) -> dict:
         row = self.rng.choice(self.prompts)
         phase = self.rng.choice(["queue", "prefill", "decode", "json"])
-        body = {"model": self.model, "prompt": row["prompt"], "max_tokens": self.max_tokens, "temperature": 0.0,
-                "stream": phase != "json"}
+        body = {
+            "model": self.model,
+            "prompt": row["prompt"],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "stream": phase != "json",
+        }
         if phase == "prefill":
             body["prompt"] = long_prompt(row, self.long_chars)
             return await self._send(body, "disconnect/prefill", give_up_s=self.rng.uniform(0.02, 0.5))
@@ -175,9 +207,18 @@ class Traffic:
 
     async def _deadline(self) -> dict:
         row = self.rng.choice(self.prompts)
-        body = {"model": self.model, "temperature": 0.0, "stream": self.rng.random() < 0.5,
-                "messages": [{"role": "user", "content": long_prompt(row, self.long_chars // 2) +
-                              "\nWrite a long, detailed answer with many examples."}]}
+        body = {
+            "model": self.model,
+            "temperature": 0.0,
+            "stream": self.rng.random() < 0.5,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": long_prompt(row, self.long_chars // 2)
+                    + "\nWrite a long, detailed answer with many examples.",
+                }
+            ],
+        }
         return await self._send(body, "deadline/" + ("stream" if body["stream"] else "json"))
 
     async def _oversized(self) -> dict:
@@ -192,12 +233,24 @@ class Traffic:
         return await self._raw("malformed/" + variant, path, raw)
 
     # each kind of request (the module's docstring) and the method that sends one
-    KINDS = {"honest": _honest, "disconnect": _disconnect, "deadline": _deadline, "oversized": _oversized,
-             "malformed": _malformed}
+    KINDS = {
+        "honest": _honest,
+        "disconnect": _disconnect,
+        "deadline": _deadline,
+        "oversized": _oversized,
+        "malformed": _malformed,
+    }
 
     async def _raw(self, variant: str, path: str, raw: bytes) -> dict:
-        rec = {"id": variant, "variant": variant, "status": None, "error": None, "text": "", "hung_up": False,
-               "stream": False}
+        rec = {
+            "id": variant,
+            "variant": variant,
+            "status": None,
+            "error": None,
+            "text": "",
+            "hung_up": False,
+            "stream": False,
+        }
         try:
             r = await self.client.post(self.url + path, content=raw, headers={"content-type": "application/json"})
             rec["status"] = r.status_code

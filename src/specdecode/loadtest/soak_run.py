@@ -12,6 +12,7 @@ Phases, against one `specdecode serve --parallel P` launched here on a free 127.
 6. greedy check: every finished greedy answer's request sent again, one at a time, to the quiet server.
 soak_check.py judges the records and writes the report.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,16 @@ class Soak:
         self.url = url
         self.server = None
         self.state = {"generation": 0}
-        self.out: dict = {"config": cfg, "phases": {}, "restart": None, "idle": {}, "records": [],
-                          "quiet": [], "recheck": [], "server_metrics": []}
+        self.out: dict = {
+            "config": cfg,
+            "phases": {},
+            "restart": None,
+            "idle": {},
+            "records": [],
+            "quiet": [],
+            "recheck": [],
+            "server_metrics": [],
+        }
 
     def run(self) -> dict:
         if self.launcher is not None:
@@ -54,25 +63,41 @@ class Soak:
 
     async def _run(self) -> None:
         import httpx
+
         cfg = self.cfg
         model = cfg.get("model") or (await asyncio.to_thread(_model_of, self.url))
         self.out["model"] = model
         limits = httpx.Limits(max_connections=cfg["concurrency"] + 4, max_keepalive_connections=0)  # one per request
         async with httpx.AsyncClient(timeout=cfg["client_timeout"], limits=limits) as client:
-            traffic = Traffic(client, self.url, model, seed=cfg["seed"], prompts=cfg.get("prompts") or PROMPTS,
-                              max_tokens=cfg["max_tokens"], long_chars=cfg["long_chars"],
-                              too_long_chars=cfg["too_long_chars"], state=self.state)
+            traffic = Traffic(
+                client,
+                self.url,
+                model,
+                seed=cfg["seed"],
+                prompts=cfg.get("prompts") or PROMPTS,
+                max_tokens=cfg["max_tokens"],
+                long_chars=cfg["long_chars"],
+                too_long_chars=cfg["too_long_chars"],
+                state=self.state,
+            )
             minutes_s = cfg["minutes"] * 60
             await self._phase("warmup", traffic, WARMUP_S, None, keep=None, budget=None)
             self.out["idle"]["before"] = await self._idle()
             quiet_s = minutes_s * QUIET_FRACTION
             most = cfg["max_requests"]
-            await self._phase("quiet", traffic, quiet_s, "honest", keep=self.out["quiet"],
-                              budget=None if most is None else max(1, int(most * QUIET_FRACTION)))
+            await self._phase(
+                "quiet",
+                traffic,
+                quiet_s,
+                "honest",
+                keep=self.out["quiet"],
+                budget=None if most is None else max(1, int(most * QUIET_FRACTION)),
+            )
             soak_s = minutes_s - quiet_s
             half = None if most is None else max(1, int(most * cfg["restart_at"]))
-            restart = asyncio.create_task(self._restart_at(soak_s * cfg["restart_at"], half)) \
-                if self._can_restart() else None
+            restart = (
+                asyncio.create_task(self._restart_at(soak_s * cfg["restart_at"], half)) if self._can_restart() else None
+            )
             await self._phase("soak", traffic, soak_s, None, keep=self.out["records"], budget=most)
             if restart is not None:
                 await restart
@@ -83,8 +108,9 @@ class Soak:
     def _can_restart(self) -> bool:
         return self.server is not None and self.cfg["restart_at"] is not None
 
-    async def _phase(self, name: str, traffic: Traffic, seconds: float, kind: str | None, keep: list | None,
-                     budget: int | None) -> None:
+    async def _phase(
+        self, name: str, traffic: Traffic, seconds: float, kind: str | None, keep: list | None, budget: int | None
+    ) -> None:
         """`concurrency` clients, each sending its next request as its last one ends, until `seconds` have passed
         or `budget` requests are sent; keep: where the records go (None: dropped)."""
         cfg, t0 = self.cfg, time.perf_counter()
@@ -101,8 +127,11 @@ class Soak:
                     await asyncio.sleep(0.2)
 
         await asyncio.gather(*(client() for _ in range(cfg["concurrency"])))
-        self.out["phases"][name] = {"seconds": round(time.perf_counter() - t0, 2), "requests": len(records),
-                                    "t_start": t0}
+        self.out["phases"][name] = {
+            "seconds": round(time.perf_counter() - t0, 2),
+            "requests": len(records),
+            "t_start": t0,
+        }
         self.log(f"soak: {name}: {len(records)} requests in {time.perf_counter() - t0:.1f} s")
 
     async def _restart_at(self, delay: float, after: int | None) -> None:
@@ -126,10 +155,18 @@ class Soak:
         self.state["generation"] = 1
         self.server = await asyncio.to_thread(lambda: self.launcher(1).__enter__())
         t_ready = time.perf_counter()
-        self.out["restart"] = {"t_sigterm": t_term, "t_exit": t_exit, "t_ready": t_ready, "exit_code": code,
-                               "exit_s": round(t_exit - t_term, 2), "down_s": round(t_ready - t_term, 2)}
-        self.log(f"soak: the server exited {t_exit - t_term:.1f} s after SIGTERM (status {code}); a new one "
-                 f"answered {t_ready - t_exit:.1f} s later")
+        self.out["restart"] = {
+            "t_sigterm": t_term,
+            "t_exit": t_exit,
+            "t_ready": t_ready,
+            "exit_code": code,
+            "exit_s": round(t_exit - t_term, 2),
+            "down_s": round(t_ready - t_term, 2),
+        }
+        self.log(
+            f"soak: the server exited {t_exit - t_term:.1f} s after SIGTERM (status {code}); a new one "
+            f"answered {t_ready - t_exit:.1f} s later"
+        )
 
     async def _idle(self) -> dict:
         """Once /health says idle: the server's RSS (median of five readings 0.4 s apart) and its gauges."""
@@ -144,26 +181,40 @@ class Soak:
         rss = []
         if self.server is not None:
             from .procmem import rss_bytes
+
             for _ in range(5):
                 rss.append(rss_bytes(self.server.proc.pid))
                 await asyncio.sleep(0.4)
         rss = [x for x in rss if x is not None]
-        return {"health": health, "waited_s": round(time.perf_counter() - t0, 2),
-                "generation": self.state["generation"],
-                "rss_mib": round(statistics.median(rss) / (1 << 20), 1) if rss else None,
-                "gauges": await asyncio.to_thread(_gauges, self.url)}
+        return {
+            "health": health,
+            "waited_s": round(time.perf_counter() - t0, 2),
+            "generation": self.state["generation"],
+            "rss_mib": round(statistics.median(rss) / (1 << 20), 1) if rss else None,
+            "gauges": await asyncio.to_thread(_gauges, self.url),
+        }
 
     async def _recheck(self, client) -> None:
         """Each finished greedy answer's request again, alone (one at a time, the server otherwise idle), at most
         `recheck` distinct requests (the first ones sent)."""
         from .soak_check import finished
+
         seen: dict[str, dict] = {}
         for rec in self.out["records"] + self.out["quiet"]:
             if "body" in rec and finished(rec):
                 seen.setdefault(request_key(rec["body"]) + repr(rec["body"].get("prediction")), rec["body"])
         bodies = list(seen.values())[: self.cfg["recheck"]]
-        traffic = Traffic(client, self.url, self.out["model"], seed=0, prompts=PROMPTS, max_tokens=1, long_chars=0,
-                          too_long_chars=0, state=self.state)
+        traffic = Traffic(
+            client,
+            self.url,
+            self.out["model"],
+            seed=0,
+            prompts=PROMPTS,
+            max_tokens=1,
+            long_chars=0,
+            too_long_chars=0,
+            state=self.state,
+        )
         t0 = time.perf_counter()
         for body in bodies:
             rec = await traffic._send(body, "recheck")
@@ -174,11 +225,13 @@ class Soak:
 
 def _model_of(url: str) -> str:
     from .client import server_model
+
     return server_model(url)
 
 
 def _health(url: str) -> dict | None:
     from ..launch import http
+
     try:
         return http.get(url + "/health", timeout=10).json()
     except Exception:  # noqa: BLE001 - a server that does not answer is not idle
@@ -191,6 +244,7 @@ METRIC = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 def _metrics(url: str) -> dict[str, float]:
     """/metrics as {name{labels}: value}, {} where it does not answer."""
     from ..launch import http
+
     try:
         text = http.get(url + "/metrics", timeout=10).text
     except Exception:  # noqa: BLE001
@@ -208,8 +262,11 @@ def _metrics(url: str) -> dict[str, float]:
 
 def _gauges(url: str) -> dict[str, float]:
     """The gauges of work in progress: queue depth, busy, and any KV cache / cell gauge the server exposes."""
-    return {k: v for k, v in _metrics(url).items()
-            if re.search(r"queue_depth|worker_busy|kv|cells", k) and not k.endswith(("_created", "_total"))}
+    return {
+        k: v
+        for k, v in _metrics(url).items()
+        if re.search(r"queue_depth|worker_busy|kv|cells", k) and not k.endswith(("_created", "_total"))
+    }
 
 
 def soak_dir(out: str | Path) -> Path:
@@ -221,25 +278,55 @@ def soak_dir(out: str | Path) -> Path:
 def add_soak_args(t) -> None:
     """`specdecode loadtest`'s --soak options (the parser `t`)."""
     k = t.add_argument_group("soak: a load and fault test that leaves the server running (loadtest/soak_run.py)")
-    k.add_argument("--soak", type=float, default=None, metavar="MINUTES",
-                   help="MINUTES of mixed honest and faulty requests at the highest --concurrency against one "
-                        "`specdecode serve --parallel P` launched here (or --server URL), with a SIGTERM and "
-                        "restart halfway; judged (soak.md, soak.json in --out); exit status 1 when a criterion fails")
+    k.add_argument(
+        "--soak",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="MINUTES of mixed honest and faulty requests at the highest --concurrency against one "
+        "`specdecode serve --parallel P` launched here (or --server URL), with a SIGTERM and "
+        "restart halfway; judged (soak.md, soak.json in --out); exit status 1 when a criterion fails",
+    )
     k.add_argument("--parallel", type=int, default=4, help="--soak: the launched server's --parallel (default 4)")
-    k.add_argument("--soak-timeout", type=float, default=60.0,
-                   help="--soak: the launched server's --timeout, the deadline of every request (default 60 s)")
-    k.add_argument("--soak-restart-at", type=float, default=0.5,
-                   help="--soak: when the SIGTERM comes, as a fraction of the soak (default 0.5; 0: none)")
-    k.add_argument("--soak-recheck", type=int, default=100,
-                   help="--soak: at most this many finished greedy requests sent again alone, one at a time "
-                        "(default 100: on the default pair on a CPU, about 10 minutes)")
-    k.add_argument("--soak-long-chars", type=int, default=6000,
-                   help="--soak: characters of the long prompts (disconnects during the prompt's read, deadlines)")
-    k.add_argument("--soak-latency-floor-ms", type=float, default=50.0,
-                   help="--soak: p99 latencies may also exceed 2x the quiet run's by this much (default 50 ms)")
-    k.add_argument("--soak-greedy-tolerance", type=float, default=0.0, metavar="FRACTION",
-                   help="--soak: the share of greedy answers that may differ from the same request alone (default "
-                        "0; batched passes can break a near-tie of the top two logits otherwise than a pass alone)")
+    k.add_argument(
+        "--soak-timeout",
+        type=float,
+        default=60.0,
+        help="--soak: the launched server's --timeout, the deadline of every request (default 60 s)",
+    )
+    k.add_argument(
+        "--soak-restart-at",
+        type=float,
+        default=0.5,
+        help="--soak: when the SIGTERM comes, as a fraction of the soak (default 0.5; 0: none)",
+    )
+    k.add_argument(
+        "--soak-recheck",
+        type=int,
+        default=100,
+        help="--soak: at most this many finished greedy requests sent again alone, one at a time "
+        "(default 100: on the default pair on a CPU, about 10 minutes)",
+    )
+    k.add_argument(
+        "--soak-long-chars",
+        type=int,
+        default=6000,
+        help="--soak: characters of the long prompts (disconnects during the prompt's read, deadlines)",
+    )
+    k.add_argument(
+        "--soak-latency-floor-ms",
+        type=float,
+        default=50.0,
+        help="--soak: p99 latencies may also exceed 2x the quiet run's by this much (default 50 ms)",
+    )
+    k.add_argument(
+        "--soak-greedy-tolerance",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="--soak: the share of greedy answers that may differ from the same request alone (default "
+        "0; batched passes can break a near-tie of the top two logits otherwise than a pass alone)",
+    )
     k.add_argument("--seed", type=int, default=0, help="--soak: the seed of the request mix (default 0)")
 
 
@@ -254,6 +341,7 @@ def soak(args, servers: dict[str, str], prompts: list[dict] | None) -> int:
     from ..errors import SpecDecodeError
     from ..host import cpu_description
     from .soak_check import judge, markdown, summary, write_report
+
     if args.soak <= 0 or args.parallel < 1 or args.max_tokens <= 0 or args.soak_timeout <= 0:
         raise SpecDecodeError("--soak, --parallel, --max-tokens and --soak-timeout must be positive")
     if len(servers) > 1 or (servers and args.launch):
@@ -261,14 +349,26 @@ def soak(args, servers: dict[str, str], prompts: list[dict] | None) -> int:
     if not servers and importlib.util.find_spec("psutil") is None:  # the launched server's memory (procmem)
         raise SpecDecodeError('`specdecode loadtest --soak` needs psutil: pip install "specdecode[bench]"')
     concurrency = max(int(x) for x in args.concurrency.split(",") if x.strip())
-    cfg = {"minutes": args.soak, "concurrency": concurrency, "parallel": args.parallel, "seed": args.seed,
-           "max_tokens": args.max_tokens, "max_requests": args.requests or int(args.soak * 2000),
-           "client_timeout": args.timeout, "server_timeout_s": args.soak_timeout,
-           "restart_at": args.soak_restart_at or None, "recheck": args.soak_recheck,
-           "long_chars": args.soak_long_chars, "too_long_chars": 400_000, "drift": 0.05,
-           "greedy_tolerance": args.soak_greedy_tolerance, "latency_factor": 2.0,
-           "latency_floor_s": args.soak_latency_floor_ms / 1000,
-           "prompts": prompts, "argv": shlex.join(sys.argv)}
+    cfg = {
+        "minutes": args.soak,
+        "concurrency": concurrency,
+        "parallel": args.parallel,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "max_requests": args.requests or int(args.soak * 2000),
+        "client_timeout": args.timeout,
+        "server_timeout_s": args.soak_timeout,
+        "restart_at": args.soak_restart_at or None,
+        "recheck": args.soak_recheck,
+        "long_chars": args.soak_long_chars,
+        "too_long_chars": 400_000,
+        "drift": 0.05,
+        "greedy_tolerance": args.soak_greedy_tolerance,
+        "latency_factor": 2.0,
+        "latency_floor_s": args.soak_latency_floor_ms / 1000,
+        "prompts": prompts,
+        "argv": shlex.join(sys.argv),
+    }
     log = lambda msg: (sys.stderr.write(msg + "\n"), sys.stderr.flush())  # noqa: E731
     if servers:
         cfg["url"] = next(iter(servers.values()))
@@ -282,8 +382,10 @@ def soak(args, servers: dict[str, str], prompts: list[dict] | None) -> int:
     criteria = judge(out)
     cpu = cpu_description()
     folder = write_report(out, criteria, soak_dir(args.out), cpu)
-    sys.stdout.write(markdown(summary(out, criteria), criteria, cfg, cpu).split("\n## Requests by variant")[0] +
-                     f"\nwritten to {folder}/\n")
+    sys.stdout.write(
+        markdown(summary(out, criteria), criteria, cfg, cpu).split("\n## Requests by variant")[0]
+        + f"\nwritten to {folder}/\n"
+    )
     return 0 if summary(out, criteria)["passed"] else 1
 
 
@@ -291,13 +393,16 @@ def _score_ties(out: dict, args, log) -> dict:
     from ..backends import DEFAULT_TARGET
     from .soak_check import greedy_partings
     from .soak_ties import score_partings
+
     parted = greedy_partings(out["quiet"] + out["records"], out["recheck"])[0]
     if not parted:
         return {}
     t0 = time.perf_counter()
     ties = score_partings(parted, args.target or DEFAULT_TARGET, threads=args.threads)
-    log(f"soak: {len(parted)} greedy answers parted from alone; scored by the target alone in "
-        f"{time.perf_counter() - t0:.1f} s")
+    log(
+        f"soak: {len(parted)} greedy answers parted from alone; scored by the target alone in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
     return ties
 
 
@@ -308,15 +413,27 @@ def _launcher(args, cfg: dict, cores) -> tuple:
 
     from ..backends import DEFAULT_DRAFT, DEFAULT_TARGET
     from ..launch.servers import DEFAULT_CTX, Launched, free_port, peer_argv
+
     target = args.target or DEFAULT_TARGET
     draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
     port = free_port()
-    argv = peer_argv("specdecode", port=port, slots=args.parallel, threads=args.threads or len(cores),
-                     ctx=args.ctx_size or DEFAULT_CTX, ours_ctx=args.ctx_size is not None, target=target, draft=draft,
-                     llama_server=None, serve_flags=getattr(args, "serve_flags", ["--parallel"]),
-                     extra=["--timeout", str(args.soak_timeout), *shlex.split(args.ours_args)])
+    argv = peer_argv(
+        "specdecode",
+        port=port,
+        slots=args.parallel,
+        threads=args.threads or len(cores),
+        ctx=args.ctx_size or DEFAULT_CTX,
+        ours_ctx=args.ctx_size is not None,
+        target=target,
+        draft=draft,
+        llama_server=None,
+        serve_flags=getattr(args, "serve_flags", ["--parallel"]),
+        extra=["--timeout", str(args.soak_timeout), *shlex.split(args.ours_args)],
+    )
 
     def launcher(generation: int) -> Launched:
-        return Launched(argv, port, soak_dir(args.out) / "logs" / f"serve-{generation}.log", args.ready_timeout,
-                        ours=True)
+        return Launched(
+            argv, port, soak_dir(args.out) / "logs" / f"serve-{generation}.log", args.ready_timeout, ours=True
+        )
+
     return launcher, shlex.join(argv)

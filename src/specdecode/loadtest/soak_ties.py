@@ -6,6 +6,7 @@ docs/serving/batching.md). For each such answer the target alone, in one context
 prompt and the text both answers share, and scores the two tokens they part on: within the target's tie tolerance
 (`LM.tolerances()["tie"]`) it is a near-tie, past it a real difference that a criterion must fail on.
 """
+
 from __future__ import annotations
 
 
@@ -25,7 +26,7 @@ def cut_by_stop(rest: str, pieces: list[str], stops: list[str]) -> list[int]:
     out = []
     for t, piece in enumerate(pieces):
         if piece.startswith(rest):
-            tail = piece[len(rest):]
+            tail = piece[len(rest) :]
             if any(tail.startswith(s) or s.startswith(tail) for s in stops):
                 out.append(t)
     return out
@@ -38,6 +39,7 @@ def score_partings(pairs: list[dict], target: str, threads: int | None = None) -
     stop string and parts on its last token, that side's token is the best-scored one its text and the stop strings
     allow (cut_by_stop): the text alone does not say which the server sampled."""
     from ..engine import Engine
+
     engine = Engine.load(target, None, backend="llama.cpp", with_draft=False, progress=False, threads=threads)
     lm, out = engine.target, {}
     tol = lm.tolerances()["tie"]
@@ -54,17 +56,20 @@ def score_partings(pairs: list[dict], target: str, threads: int | None = None) -
             continue
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
-        cut = tuple(bool(stops) and p.get(f"{side}_finish") == "stop" and j == len(ids) - 1
-                    for side, ids in (("alone", a), ("under_load", b)))
-        key = (tuple(prompt), tuple(a[:j + 1]), b[j], cut, tuple(stops) if any(cut) else ())
+        cut = tuple(
+            bool(stops) and p.get(f"{side}_finish") == "stop" and j == len(ids) - 1
+            for side, ids in (("alone", a), ("under_load", b))
+        )
+        key = (tuple(prompt), tuple(a[: j + 1]), b[j], cut, tuple(stops) if any(cut) else ())
         if key not in scored:
             lm.reset()
             logits = lm.forward(prompt + list(a[:j]), last_only=True).reshape(-1).float()
             lm.reset()
             top = int(logits.argmax())
             if any(cut) and not pieces:
-                pieces = engine.tokenizer.batch_decode([[t] for t in range(int(logits.shape[0]))],
-                                                       skip_special_tokens=True)
+                pieces = engine.tokenizer.batch_decode(
+                    [[t] for t in range(int(logits.shape[0]))], skip_special_tokens=True
+                )
             tokens = []
             for ids, was_cut in ((a, cut[0]), (b, cut[1])):
                 rest = engine.decode(list(ids[j:])) if was_cut else ""
@@ -74,7 +79,13 @@ def score_partings(pairs: list[dict], target: str, threads: int | None = None) -
                 scored[key] = {"gap": None, "tie": tol, "why": "both stop-cut texts allow the same token"}
             else:
                 gap = float(logits[tokens[0]] - logits[tokens[1]])
-                scored[key] = {"gap": round(gap, 4), "tie": tol, "near_tie": abs(gap) <= tol, "tokens": tokens,
-                               "alone_top": top in tokens, **({"stop_cut": list(cut)} if any(cut) else {})}
+                scored[key] = {
+                    "gap": round(gap, 4),
+                    "tie": tol,
+                    "near_tie": abs(gap) <= tol,
+                    "tokens": tokens,
+                    "alone_top": top in tokens,
+                    **({"stop_cut": list(cut)} if any(cut) else {}),
+                }
         out[str(p["i"])] = dict(scored[key])
     return out

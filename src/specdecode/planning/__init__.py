@@ -2,6 +2,7 @@
 pass costs (costs.py), acceptance learned online (calibration.py), the cost decisions (planner.py) and
 the tree drafter that grows and cuts the guesses (tree.py); and what a pass costs beside other generations' in
 continuous batching (batch.py, imported where slots are made)."""
+
 from .costs import CostModel, load_or_measure
 from .planner import TreeState, chain_speedup, draft_model_can_pay
 from .tree import TreeDrafter

@@ -2,6 +2,7 @@
 several generations (call_costs), kept current by the calls that run (CallCostTracker), and a generation's price for
 n tokens beside the others' (BatchPricing), which each slot's planner reads. The measurements behind these rules are
 in docs/serving/batching.md ("Speculation in company")."""
+
 from __future__ import annotations
 
 import json
@@ -116,6 +117,7 @@ class BatchPricing(CostModel):
 
         def price(n: int) -> float:
             return max(floor, cut(live * n) / live, plain + cut(b + n) - cut(live))
+
         return CostModel({n: price(n) for n in now.target}, now.draft)
 
     def _cut(self, now: CostModel):
@@ -131,4 +133,5 @@ class BatchPricing(CostModel):
             for k in range(len(memo) + 1, m + 1):  # memo holds 1 .. len(memo)
                 memo[k] = min([whole.t(k)] + [memo[i] + memo[k - i] for i in range(1, k // 2 + 1)])
             return memo[m] if m > 0 else 0.0
+
         return cut

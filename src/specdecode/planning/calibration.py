@@ -7,6 +7,7 @@ the draft's first choice and for the others. For a lookup guess it is a bin of (
 n-gram length, observed frequency, depth). Every verdict teaches the bins of all nodes that were
 tried, pruned ones included.
 """
+
 from __future__ import annotations
 
 from ..drafters.lookup import SOURCES, Guess
@@ -52,8 +53,12 @@ def _bucket(x: float, edges) -> int:
 
 def lookup_feature(g: Guess) -> float:
     """The calibration feature in [0, 1) of a lookup guess (the centre of its bin)."""
-    b = (SOURCES.index(g.source), _bucket(g.ngram, LOOKUP_NGRAM_EDGES), _bucket(g.freq, LOOKUP_FREQ_EDGES),
-         _bucket(g.depth, LOOKUP_DEPTH_EDGES))
+    b = (
+        SOURCES.index(g.source),
+        _bucket(g.ngram, LOOKUP_NGRAM_EDGES),
+        _bucket(g.freq, LOOKUP_FREQ_EDGES),
+        _bucket(g.depth, LOOKUP_DEPTH_EDGES),
+    )
     index = ((b[0] * _SHAPE[1] + b[1]) * _SHAPE[2] + b[2]) * _SHAPE[3] + b[3]
     return (index + 0.5) / LOOKUP_BINS
 
@@ -100,5 +105,6 @@ class Acceptance:
                     self.first = [RHO_DECAY * self.first[0] + hit[i], RHO_DECAY * self.first[1] + 1]
         for i, nd in enumerate(nodes):  # did expanding an accepted node pay?
             if nd.cache is not None and hit[i]:
-                self.rho = RHO_DECAY * self.rho + (1 - RHO_DECAY) * any(hit[j] for j, c in enumerate(nodes)
-                                                                        if c.parent == i)
+                self.rho = RHO_DECAY * self.rho + (1 - RHO_DECAY) * any(
+                    hit[j] for j, c in enumerate(nodes) if c.parent == i
+                )

@@ -5,6 +5,7 @@ CostModel: seconds for one target pass over n tokens and one draft pass over k t
 once per machine, model, dtype, device and thread count, and cached as JSON under the cache dir.
 (Calibration, the acceptance learned online, lives in calibration.py and is re-exported here.)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,6 +43,7 @@ class CostModel:
     linearly between the measured contexts and continued past the last (attention is linear in the
     context). Tables keep what was measured: on some CPUs a 4-token pass is cheaper than a 3-token one
     (llama.cpp's repacked gemm takes tokens in groups of 4), and the planner may use that."""
+
     target: dict[int, float]  # tokens in one target pass -> seconds
     draft: dict[int, float] = field(default_factory=dict)  # tokens in one draft pass -> seconds
     target_at: dict[int, dict[int, float]] = field(default_factory=dict)  # longer contexts
@@ -70,17 +72,21 @@ class CostModel:
         """The same costs, evaluated at `context` cached target tokens (and draft_context draft tokens,
         default the same): a plain CostModel whose t() and d() need no context."""
         dc = context if draft_context is None else draft_context
-        return CostModel({n: self.t(n, context) for n in self.target},
-                         {k: self.d(k, dc) for k in self.draft} if self.draft else {})
+        return CostModel(
+            {n: self.t(n, context) for n in self.target}, {k: self.d(k, dc) for k in self.draft} if self.draft else {}
+        )
 
     def as_dict(self) -> dict:
         """Costs relative to one plain decoding step (a 1-token target pass after CONTEXT tokens)."""
         one = self.t(1)
-        return {"target_s_1": one, "target": {n: s / one for n, s in self.target.items()},
-                "draft": {k: s / one for k, s in self.draft.items()},
-                "context": CONTEXT,
-                "target_at": {c: {n: s / one for n, s in tab.items()} for c, tab in self.target_at.items()},
-                "draft_at": {c: {k: s / one for k, s in tab.items()} for c, tab in self.draft_at.items()}}
+        return {
+            "target_s_1": one,
+            "target": {n: s / one for n, s in self.target.items()},
+            "draft": {k: s / one for k, s in self.draft.items()},
+            "context": CONTEXT,
+            "target_at": {c: {n: s / one for n, s in tab.items()} for c, tab in self.target_at.items()},
+            "draft_at": {c: {k: s / one for k, s in tab.items()} for c, tab in self.draft_at.items()},
+        }
 
 
 def _interpolate(table: dict[int, float], n: int) -> float:
@@ -130,8 +136,9 @@ def _time_pass(lm, context: int, n: int) -> float:
     return time.perf_counter() - t
 
 
-def measure(lm, sizes, repeats: int = 3, progress=None, budget_s: float = MEASURE_BUDGET_S,
-            context: int = CONTEXT) -> dict[int, float]:
+def measure(
+    lm, sizes, repeats: int = 3, progress=None, budget_s: float = MEASURE_BUDGET_S, context: int = CONTEXT
+) -> dict[int, float]:
     """Seconds of one pass over n new tokens after `context` cached ones: the fastest of `repeats`
     rounds (round-robin over the sizes, so a burst of noise does not hit one size only), kept as
     measured (a bigger pass may be cheaper: kernels work in tiles). Every size is timed, in order, until the
@@ -196,12 +203,17 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
             tables = [{int(k): float(v) for k, v in raw[name].items()} for name in ("target", "draft")]
             longer = [_tables(raw.get(name, {})) for name in ("target_at", "draft_at")]
             values = [v for t in tables + [t for d in longer for t in d.values()] for v in t.values()]
-            if (raw.get("format") == FORMAT and tables[0] and all(v > 0 for v in values)
-                    and bool(tables[1]) == (draft_lm is not None)):
+            if (
+                raw.get("format") == FORMAT
+                and tables[0]
+                and all(v > 0 for v in values)
+                and bool(tables[1]) == (draft_lm is not None)
+            ):
                 return CostModel(*tables, *longer)
         except (ValueError, KeyError, TypeError, AttributeError):
             pass  # a damaged file, or one of an older format: measure again
     from tqdm.auto import tqdm
+
     sizes = [n for n in TARGET_SIZES if n + CONTEXT < target_lm.max_length]
     dsizes = [k for k in (*DRAFT_SIZES, DRAFT_READ) if draft_lm is not None and k + CONTEXT < draft_lm.max_length]
     longs = [c for c in LONG_CONTEXTS if c + LONG_SIZES < target_lm.max_length]  # room for the long tables' passes
@@ -214,13 +226,24 @@ def load_or_measure(target_lm, draft_lm=None, progress: bool = True) -> CostMode
         if dsizes:  # the draft's big pass (catching up) is timed whatever its cost
             draft = measure(draft_lm, dsizes, progress=bar, budget_s=float("inf"))
         lsizes = [n for n in lsizes if n in target]  # what the base table measured (the rest is extrapolated)
-        longs, dlongs = within_budget(target, longs, lsizes, LONG_BUDGET_S), within_budget(draft, dlongs, dsizes,
-                                                                                           LONG_BUDGET_S / 2)
+        longs, dlongs = (
+            within_budget(target, longs, lsizes, LONG_BUDGET_S),
+            within_budget(draft, dlongs, dsizes, LONG_BUDGET_S / 2),
+        )
         bar.total = 3 * (len(target) + len(draft) + len(longs) * len(lsizes) + len(dlongs) * len(dsizes))
         target_at = {c: measure(target_lm, lsizes, progress=bar, context=c) for c in longs}
         if dsizes:
             draft_at = {c: measure(draft_lm, dsizes, progress=bar, budget_s=float("inf"), context=c) for c in dlongs}
         costs = CostModel(target, draft, target_at, draft_at)
-    write_json(path, {"format": FORMAT, "target": costs.target, "draft": costs.draft,
-                      "target_at": costs.target_at, "draft_at": costs.draft_at}, indent=1)
+    write_json(
+        path,
+        {
+            "format": FORMAT,
+            "target": costs.target,
+            "draft": costs.draft,
+            "target_at": costs.target_at,
+            "draft_at": costs.draft_at,
+        },
+        indent=1,
+    )
     return costs

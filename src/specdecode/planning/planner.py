@@ -5,6 +5,7 @@ Each choice maximises expected tokens per second on the measured pass costs (cos
 node's value is the estimated probability that the target accepts the whole path to it
 (calibration.py). Units: seconds from the cost model; rates in tokens per second.
 """
+
 from __future__ import annotations
 
 from .calibration import PRIOR_WEIGHT, Acceptance
@@ -51,8 +52,10 @@ def draft_model_can_pay(costs: CostModel, alpha: float = AUTO_ALPHA, window: int
     # asked once per generation; kept where the answer depends on the tables alone (not on company)
     memo = costs.memo if costs.static else {}
     if key not in memo:
-        memo[key] = any(chain_speedup(costs.at(c, c if window is None else min(c, window)), alpha) > AUTO_MARGIN
-                        for c in costs.contexts)
+        memo[key] = any(
+            chain_speedup(costs.at(c, c if window is None else min(c, window)), alpha) > AUTO_MARGIN
+            for c in costs.contexts
+        )
     return memo[key]
 
 
@@ -62,8 +65,9 @@ def pays(costs: CostModel, spent: float, e: float, n: int, v: float) -> bool:
     return (e + v) / (spent + costs.t(n + 2)) > e / (spent + costs.t(n + 1))
 
 
-def best_cut(values: list[float], costs: CostModel, spent: float, keep_all: bool, max_nodes: int,
-             measured_only: bool = False):
+def best_cut(
+    values: list[float], costs: CostModel, spent: float, keep_all: bool, max_nodes: int, measured_only: bool = False
+):
     """(rate, N, expected tokens) of the best tree cut from nodes ranked by value (a node is never
     worth more than its parent, so any prefix of the ranking is a tree). keep_all: nothing may be
     pruned (drawn nodes). measured_only: only passes of a size the cost model timed (a tiled kernel's cost
@@ -83,8 +87,16 @@ def best_cut(values: list[float], costs: CostModel, spent: float, keep_all: bool
     return best
 
 
-def frontier_width(ranked_gains: list[float], costs: CostModel, spent: float, best, draft_s, rho: float,
-                   fixed_width: int | None, must_expand: bool) -> int:
+def frontier_width(
+    ranked_gains: list[float],
+    costs: CostModel,
+    spent: float,
+    best,
+    draft_s,
+    rho: float,
+    fixed_width: int | None,
+    must_expand: bool,
+) -> int:
     """How many of the ranked frontier nodes to expand by one more draft pass: the count whose
     expected gain (rho x their values) per second beats the best tree without expanding. 0: stop."""
     best_rate, n_best, e_best = best

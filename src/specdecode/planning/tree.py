@@ -20,6 +20,7 @@ drawn from the draft's q without replacement (child i's q row is q without its e
 renormalized); how many children a node gets is fixed before they are drawn, and drawn nodes are
 never pruned, so the target's distribution is kept exactly.
 """
+
 from __future__ import annotations
 
 import time
@@ -60,6 +61,7 @@ class Node:
     """A guessed token. Index spaces: a node's index in TreeDrafter.nodes (its parent's too, -1 = the last
     committed token); `cache`: its entry in the draft model's KV cache; in the Draft sent to the target
     the kept nodes are renumbered 0..n-1, and the target's probability row after node i is p[i + 1]."""
+
     token: int
     parent: int  # node index, -1 = root
     depth: int
@@ -74,10 +76,22 @@ class Node:
 
 
 class TreeDrafter:
-    def __init__(self, draft_model=None, *, pld: bool = True, width: int | None = None, depth: int | None = None,
-                 nodes: int | None = None, adaptive: bool = True, costs: CostModel | None = None,
-                 state: TreeState | None = None, lookup: Lookup | None = None, chains_only: bool = False,
-                 lazy: bool = False, remaining: int | None = None):
+    def __init__(
+        self,
+        draft_model=None,
+        *,
+        pld: bool = True,
+        width: int | None = None,
+        depth: int | None = None,
+        nodes: int | None = None,
+        adaptive: bool = True,
+        costs: CostModel | None = None,
+        state: TreeState | None = None,
+        lookup: Lookup | None = None,
+        chains_only: bool = False,
+        lazy: bool = False,
+        remaining: int | None = None,
+    ):
         """pld: add lookup guesses (from `lookup`, by default the context only). chains_only: one child
         per node (width 1, and lookup guesses only where no other child is), for models that cannot
         run token trees. lazy (the auto method): the draft model reads the text only when a step runs it,
@@ -93,11 +107,14 @@ class TreeDrafter:
         self.fixed_width, self.fixed_depth, self.fixed_nodes = width, depth, nodes
         self.width = width or MAX_WIDTH
         self.max_depth = depth or MAX_DEPTH
-        self.max_nodes = nodes or (MAX_NODES if width is None or depth is None else 10 ** 6)
+        self.max_nodes = nodes or (MAX_NODES if width is None or depth is None else 10**6)
         # a followed copy (a prediction, the prompt) is verified as one chain, so it needs no tree-node ids
         # (within a depth or node count given by hand)
-        self.copy_depth = min(MAX_COPY_DEPTH, depth or MAX_COPY_DEPTH, nodes or MAX_COPY_DEPTH) \
-            if self.lookup is not None and self.lookup.copies else 0
+        self.copy_depth = (
+            min(MAX_COPY_DEPTH, depth or MAX_COPY_DEPTH, nodes or MAX_COPY_DEPTH)
+            if self.lookup is not None and self.lookup.copies
+            else 0
+        )
         self.draft_nodes: int | None = None  # tree nodes the draft model's cache may hold in one step (None: any)
         self.costs, self.state = costs, state or TreeState()
         self._now = costs  # the costs at the current context length (set each step)
@@ -179,12 +196,13 @@ class TreeDrafter:
                 new = [i for parent, lg in frontier for i in self._children(parent, lg, depth, params, generator)]
                 expand = self._next_frontier(new, params) if depth < model_depth else []
                 if self.draft_nodes is not None:  # the draft's cache holds every node expanded this step
-                    expand = expand[:max(0, self.draft_nodes - (len(self.model.lm) - self._root_index - 1))]
+                    expand = expand[: max(0, self.draft_nodes - (len(self.model.lm) - self._root_index - 1))]
                 if not expand:
                     break
                 n0 = len(self.model.lm)
-                logits = self.model.expand([self.nodes[i].token for i in expand],
-                                           [self._cache_index(self.nodes[i].parent) for i in expand])
+                logits = self.model.expand(
+                    [self.nodes[i].token for i in expand], [self._cache_index(self.nodes[i].parent) for i in expand]
+                )
                 for j, i in enumerate(expand):
                     self.nodes[i].cache = n0 + j
                 self.spent += self._d(len(expand))
@@ -286,13 +304,21 @@ class TreeDrafter:
         return len(self.nodes) - 1
 
     def _next_frontier(self, new: list[int], params: SamplingParams) -> list[int]:
-        ranked = sorted(new, key=lambda i: -self.nodes[i].value)[:self.width]
+        ranked = sorted(new, key=lambda i: -self.nodes[i].value)[: self.width]
         if not params.greedy and len(self.nodes) + self.width > self.max_nodes:
             return []  # drawn nodes are never pruned: stop growing at the budget
         if not self.adaptive or self.fixed_depth is not None and self.fixed_width is not None:
             return ranked
-        w = frontier_width([self.nodes[i].value for i in ranked], self._now, self.spent, self._best(params),
-                           self._d, self.state.rho, self.fixed_width, must_expand=self.fixed_depth is not None)
+        w = frontier_width(
+            [self.nodes[i].value for i in ranked],
+            self._now,
+            self.spent,
+            self._best(params),
+            self._d,
+            self.state.rho,
+            self.fixed_width,
+            must_expand=self.fixed_depth is not None,
+        )
         return ranked[:w]
 
     def _ranked(self) -> list[int]:
@@ -325,15 +351,17 @@ class TreeDrafter:
             if self.chains_only and any(nd.parent == parent for nd in self.nodes):
                 continue  # chains only: one child per node
             feature = lookup_feature(g) if g.value is None else None  # a followed copy values its own guesses
-            value = (1.0 if parent < 0 else self.nodes[parent].value) * (g.value if feature is None
-                                                                          else self.state.lookup(feature))
+            value = (1.0 if parent < 0 else self.nodes[parent].value) * (
+                g.value if feature is None else self.state.lookup(feature)
+            )
             # one-hot, so droppable; but a sampled tree is not cut later, so decide now
             if not greedy and self.adaptive:
                 total = sum(nd.value for nd in self.nodes) if total is None else total
                 if not pays(self._now, self.spent, 1.0 + total, len(self.nodes), value):
                     continue
-            where[-1] = first[parent, g.token] = self._add(Node(g.token, parent, g.depth, value, None, lookup=feature,
-                                                                source=g.source, guess=g))
+            where[-1] = first[parent, g.token] = self._add(
+                Node(g.token, parent, g.depth, value, None, lookup=feature, source=g.source, guess=g)
+            )
             total = None
 
     def _select(self, params: SamplingParams) -> list[int]:
@@ -354,19 +382,38 @@ class TreeDrafter:
         q = None
         if any(nd.q is not None for nd in self.kept):
             V = next(nd.q for nd in self.kept if nd.q is not None).shape[-1]
-            q = torch.stack([nd.q if nd.q is not None else torch.zeros(V).index_fill_(0, torch.tensor(nd.token), 1.0)
-                             for nd in self.kept])
+            q = torch.stack(
+                [
+                    nd.q if nd.q is not None else torch.zeros(V).index_fill_(0, torch.tensor(nd.token), 1.0)
+                    for nd in self.kept
+                ]
+            )
         chain = all(p == i - 1 for i, p in enumerate(parents))
         # the estimate is only as good as the calibration, which a tree engine keeps learning
         expected = modelled = None
         if self.costs is not None:
             expected = 1.0 + sum(nd.value for nd in self.kept)
             modelled = self.catchup + self.spent + self._now.t(len(tokens) + 1)
-        strategy = ("plain" if not tokens else "lookup" if all(nd.conf is None for nd in self.kept)
-                    else "draft" if chain else "tree")
-        return Draft(tokens, q, None if chain else parents, expected, modelled, strategy,
-                     [nd.source for nd in self.kept], plain_s=self._now.t(1) if self.costs is not None else None,
-                     catchup_s=self.catchup_s)
+        strategy = (
+            "plain"
+            if not tokens
+            else "lookup"
+            if all(nd.conf is None for nd in self.kept)
+            else "draft"
+            if chain
+            else "tree"
+        )
+        return Draft(
+            tokens,
+            q,
+            None if chain else parents,
+            expected,
+            modelled,
+            strategy,
+            [nd.source for nd in self.kept],
+            plain_s=self._now.t(1) if self.costs is not None else None,
+            catchup_s=self.catchup_s,
+        )
 
     def _d(self, k: int) -> float:
         return self._now.d(k) if self.costs is not None else 0.0

@@ -15,6 +15,7 @@ GET /metrics (Prometheus text).
 On Ray Serve (the `ray` extra): `specdecode serve --ray --replicas N`, or `ray_app(...)`, a Serve application of
 replicas that each load their own Engine (`ray_serve`).
 """
+
 from __future__ import annotations
 
 from ..lazy import lazy_names
@@ -25,8 +26,13 @@ from ..lazy import lazy_names
 GRACEFUL_SHUTDOWN_S = 10
 
 # each name and its module, imported on first use: the CLI builds serve's parser (cli/serve.py) without the extra
-_EXPORTS = {"create_app": ".app", "run": ".app", "ray_app": ".ray_serve", "run_ray": ".ray_serve",
-            "engine_lock": ".scheduler"}
+_EXPORTS = {
+    "create_app": ".app",
+    "run": ".app",
+    "ray_app": ".ray_serve",
+    "run_ray": ".ray_serve",
+    "engine_lock": ".scheduler",
+}
 
 __all__ = ["create_app", "run", "engine_lock", "ray_app", "run_ray"]
 

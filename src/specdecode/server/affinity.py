@@ -2,6 +2,7 @@
 its prompt (a conversation's next turn goes back to the slot that holds the earlier ones), else the least recently
 used (a prompt that shares only a system prompt with the others does not evict another conversation's text). The
 rule llama-server picks its slots by (prompt similarity over 0.5, else the least recently used)."""
+
 from __future__ import annotations
 
 

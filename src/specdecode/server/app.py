@@ -2,6 +2,7 @@
 events into responses (service.py: what the routes do); plus `run`, which serves it with uvicorn (the command that
 loads the models: cli/serve.py).
 """
+
 # No `from __future__ import annotations`: the POST routes are annotated with per-app request models.
 import hmac
 import ipaddress
@@ -54,11 +55,25 @@ class Gate:
     paths outside /v1 (/metrics and the API docs, where asked for). (The key on /v1 is checked by its routes,
     BearerKey: under a path prefix only routing knows which route a path is.)"""
 
-    ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/openapi.json",
-              "/docs", "/"}
+    ROUTES = {
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/health",
+        "/metrics",
+        "/openapi.json",
+        "/docs",
+        "/",
+    }
 
-    def __init__(self, app, metrics: Metrics, max_body_bytes: int | None = None, check: "BearerKey | None" = None,
-                 protected: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        app,
+        metrics: Metrics,
+        max_body_bytes: int | None = None,
+        check: "BearerKey | None" = None,
+        protected: frozenset[str] = frozenset(),
+    ):
         self.app, self.metrics, self.max_body = app, metrics, max_body_bytes
         self.check, self.protected = check, protected
 
@@ -66,7 +81,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, root = scope.get("path", ""), scope.get("root_path", "")
-        path = path[len(root):] if root and path.startswith(root) else path  # the path routing matches
+        path = path[len(root) :] if root and path.startswith(root) else path  # the path routing matches
         status = [500]
 
         async def send_status(message):
@@ -85,8 +100,17 @@ class Gate:
             else:
                 await self.app(scope, receive if self.max_body is None else self._limited(receive), send_status)
         finally:
-            route = path if path in self.ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/")
-                                                      else "/static" if path.startswith("/static/") else "other")
+            route = (
+                path
+                if path in self.ROUTES
+                else (
+                    "/v1/models/{model}"
+                    if path.startswith("/v1/models/")
+                    else "/static"
+                    if path.startswith("/static/")
+                    else "other"
+                )
+            )
             self.metrics.requests.labels(route=route, status=str(status[0])).inc()
 
     def _limited(self, receive):
@@ -103,6 +127,7 @@ class Gate:
                     # Starlette's own exception: FastAPI turns others raised while it reads a body into a 400
                     raise StarletteHTTPException(RequestTooLarge.status, too_large(self.max_body).message)
             return message
+
         return limited
 
 
@@ -137,10 +162,14 @@ def _v1_route(check: BearerKey | None) -> type[APIRoute]:
                     await check(request)
                 media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
                 if request.method == "POST" and media_type != "application/json":
-                    raise UnsupportedMediaType(f"send the request body as JSON with the header 'Content-Type: "
-                                               f"application/json' (got {media_type or 'none'!r})")
+                    raise UnsupportedMediaType(
+                        f"send the request body as JSON with the header 'Content-Type: "
+                        f"application/json' (got {media_type or 'none'!r})"
+                    )
                 return await handle(request)
+
             return checked
+
     return V1Route
 
 
@@ -156,12 +185,14 @@ def too_large(limit: int) -> RequestTooLarge:
 
 
 # -- routes: each gets the app's Service from request.app.state --------------------------------------------------------
-ERRORS = {400: {"model": p.ErrorBody, "description": "invalid request"},
-          401: {"model": p.ErrorBody, "description": "missing or wrong API key"},
-          404: {"model": p.ErrorBody, "description": "unknown model"},
-          413: {"model": p.ErrorBody, "description": "request body over the server's limit"},
-          415: {"model": p.ErrorBody, "description": "a body not sent as Content-Type: application/json"},
-          503: {"model": p.ErrorBody, "description": "queue full or timed out waiting; see Retry-After"}}
+ERRORS = {
+    400: {"model": p.ErrorBody, "description": "invalid request"},
+    401: {"model": p.ErrorBody, "description": "missing or wrong API key"},
+    404: {"model": p.ErrorBody, "description": "unknown model"},
+    413: {"model": p.ErrorBody, "description": "request body over the server's limit"},
+    415: {"model": p.ErrorBody, "description": "a body not sent as Content-Type: application/json"},
+    503: {"model": p.ErrorBody, "description": "queue full or timed out waiting; see Retry-After"},
+}
 SSE_DOC = {"text/event-stream": {"schema": {"type": "object"}}}  # filled in by _openapi
 
 
@@ -188,8 +219,13 @@ def _add_routes(app: FastAPI, service: Service, check: BearerKey | None) -> None
     if check is None:
         v1 = APIRouter(prefix="/v1", tags=["openai"], route_class=_v1_route(None))
     else:
-        v1 = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Security(check)], route_class=_v1_route(check),
-                       responses={401: ERRORS[401]})
+        v1 = APIRouter(
+            prefix="/v1",
+            tags=["openai"],
+            dependencies=[Security(check)],
+            route_class=_v1_route(check),
+            responses={401: ERRORS[401]},
+        )
     CompletionRequest, ChatCompletionRequest = p.request_models(service.cap)
 
     async def completions(body: CompletionRequest, request: Request):  # typed per app: its max_tokens bound
@@ -207,18 +243,34 @@ def _add_routes(app: FastAPI, service: Service, check: BearerKey | None) -> None
             raise InvalidField(f"the model's chat template refused the messages: {e}", param="messages") from None
 
     app.add_api_route("/health", health, methods=["GET"], response_model=p.Health, tags=["server"])
-    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["server"], response_class=Response,
-                      responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                                       "description": "Prometheus text format"}})
+    app.add_api_route(
+        "/metrics",
+        prometheus_metrics,
+        methods=["GET"],
+        tags=["server"],
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}
+        },
+    )
     v1.add_api_route("/models", list_models, methods=["GET"], response_model=p.ModelList)
-    v1.add_api_route("/models/{model:path}", get_model, methods=["GET"], response_model=p.ModelCard,
-                     responses={404: ERRORS[404]})
-    v1.add_api_route("/completions", completions, methods=["POST"], response_model=p.CompletionResponse,
-                     responses={**ERRORS, 200: {"content": SSE_DOC,
-                                                "description": "a completion, or events when stream"}})
-    v1.add_api_route("/chat/completions", chat_completions, methods=["POST"], response_model=p.ChatCompletionResponse,
-                     responses={**ERRORS, 200: {"content": SSE_DOC,
-                                                "description": "a chat completion, or events when stream"}})
+    v1.add_api_route(
+        "/models/{model:path}", get_model, methods=["GET"], response_model=p.ModelCard, responses={404: ERRORS[404]}
+    )
+    v1.add_api_route(
+        "/completions",
+        completions,
+        methods=["POST"],
+        response_model=p.CompletionResponse,
+        responses={**ERRORS, 200: {"content": SSE_DOC, "description": "a completion, or events when stream"}},
+    )
+    v1.add_api_route(
+        "/chat/completions",
+        chat_completions,
+        methods=["POST"],
+        response_model=p.ChatCompletionResponse,
+        responses={**ERRORS, 200: {"content": SSE_DOC, "description": "a chat completion, or events when stream"}},
+    )
     app.include_router(v1)
 
 
@@ -242,9 +294,11 @@ def _check_text(texts: list[str], param: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise InvalidField(f"the {param} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character "
-                               f"{e.start}), which is not text; send UTF-8 text or a surrogate pair",
-                               param=param) from None
+            raise InvalidField(
+                f"the {param} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at character "
+                f"{e.start}), which is not text; send UTF-8 text or a surrogate pair",
+                param=param,
+            ) from None
 
 
 async def _api_error(request, exc: SpecDecodeError):
@@ -274,6 +328,7 @@ async def _crash(request, exc: Exception):
 def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s, keepalive_s, api_key) -> None:
     """create_app's arguments, checked before anything starts (a clear SpecDecodeError for each)."""
     from ..engine import Engine
+
     Engine.check(method=method, gamma=gamma)  # the default speculation: the Engine's checks, at start-up
     if METHOD_TABLE[method].needs_draft_model == REQUIRED and engine.draft_model is None:
         raise SpecDecodeError(f"method {method!r} needs a draft model (--draft); or use --method pld / autoregressive")
@@ -288,11 +343,22 @@ def _check_app_args(engine, method, gamma, max_queue, max_body_bytes, timeout_s,
         raise SpecDecodeError("the API key must not be empty")
 
 
-def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: int = DEFAULT_GAMMA,
-               api_key: str | None = None, protect_all: bool = False,
-               max_queue: int = 16, timeout_s: float = 300, max_tokens_cap: int | None = None,
-               keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = MAX_BODY_BYTES,
-               show_sources: bool = False, slots=None) -> FastAPI:
+def create_app(
+    engine,
+    *,
+    model_id: str,
+    method: str = DEFAULT_METHOD,
+    gamma: int = DEFAULT_GAMMA,
+    api_key: str | None = None,
+    protect_all: bool = False,
+    max_queue: int = 16,
+    timeout_s: float = 300,
+    max_tokens_cap: int | None = None,
+    keepalive_s: float = KEEPALIVE_S,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    show_sources: bool = False,
+    slots=None,
+) -> FastAPI:
     """An OpenAI-compatible app around `engine`.
 
     model_id: the name clients must send as `model`. method/gamma: the default speculation (a request may override both
@@ -314,8 +380,18 @@ def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: in
     cap = context if max_tokens_cap is None else max(1, min(int(max_tokens_cap), context))
     metrics = Metrics(model_id, method, gamma)
     worker = Worker(engine, max_queue, metrics, slots)
-    service = Service(engine, worker, model_id=model_id, method=method, gamma=gamma, max_tokens_cap=cap,
-                      timeout_s=timeout_s, keepalive_s=keepalive_s, show_sources=show_sources, context=context)
+    service = Service(
+        engine,
+        worker,
+        model_id=model_id,
+        method=method,
+        gamma=gamma,
+        max_tokens_cap=cap,
+        timeout_s=timeout_s,
+        keepalive_s=keepalive_s,
+        show_sources=show_sources,
+        context=context,
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -326,16 +402,27 @@ def create_app(engine, *, model_id: str, method: str = DEFAULT_METHOD, gamma: in
         finally:
             await anyio.to_thread.run_sync(worker.stop)
 
-    app = FastAPI(title="specdecode", version=_version(), lifespan=lifespan,
-                  description="OpenAI-compatible completions with speculative decoding: sampled output has the "
-                              "target's distribution, greedy output plain decoding's except at near-ties of the top "
-                              "two logits (bit for bit with `speculation.exact`). Extension: `speculation` in "
-                              "requests (method, gamma, exact, engine) and responses (stats); `system_fingerprint` "
-                              "names the engine that ran the request.")
+    app = FastAPI(
+        title="specdecode",
+        version=_version(),
+        lifespan=lifespan,
+        description="OpenAI-compatible completions with speculative decoding: sampled output has the "
+        "target's distribution, greedy output plain decoding's except at near-ties of the top "
+        "two logits (bit for bit with `speculation.exact`). Extension: `speculation` in "
+        "requests (method, gamma, exact, engine) and responses (stats); `system_fingerprint` "
+        "names the engine that ran the request.",
+    )
     app.state.service, app.state.engine, app.state.worker, app.state.metrics = service, engine, worker, metrics
     app.state.model_id, app.state.engine_lock = model_id, worker.lock
-    protected = frozenset(path for path in ("/metrics", app.openapi_url, app.docs_url, app.redoc_url,
-                                            app.swagger_ui_oauth2_redirect_url) if path) if protect_all else frozenset()
+    protected = (
+        frozenset(
+            path
+            for path in ("/metrics", app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
+            if path
+        )
+        if protect_all
+        else frozenset()
+    )
     app.add_middleware(Gate, metrics=metrics, max_body_bytes=max_body_bytes, check=check, protected=protected)
     app.add_exception_handler(SpecDecodeError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
@@ -359,22 +446,43 @@ def _openapi(app: FastAPI) -> dict:
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
         # Each server-sent event: `data:` holds a JSON chunk (or an error object), and the last one `[DONE]`.
-        _, defs = models_json_schema([(p.CompletionChunk, "serialization"), (p.ChatCompletionChunk, "serialization"),
-                                      (p.ErrorBody, "serialization")], ref_template="#/components/schemas/{model}")
+        _, defs = models_json_schema(
+            [
+                (p.CompletionChunk, "serialization"),
+                (p.ChatCompletionChunk, "serialization"),
+                (p.ErrorBody, "serialization"),
+            ],
+            ref_template="#/components/schemas/{model}",
+        )
         for name, definition in defs.get("$defs", {}).items():
             components.setdefault(name, definition)
         for path, chunk in (("/v1/completions", "CompletionChunk"), ("/v1/chat/completions", "ChatCompletionChunk")):
             op = schema.get("paths", {}).get(path, {}).get("post")
             if op is None:
                 continue
-            data = {"oneOf": [{"const": "[DONE]"},
-                              {"contentMediaType": "application/json",
-                               "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{chunk}"},
-                                                           {"$ref": "#/components/schemas/ErrorBody"}]},
-                               "not": {"const": "[DONE]"}}]}
-            op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {
-                "type": "object", "required": ["data"], "properties": {"data": data},
-                "description": "one server-sent event, when `stream` is true"}}
+            data = {
+                "oneOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [
+                                {"$ref": f"#/components/schemas/{chunk}"},
+                                {"$ref": "#/components/schemas/ErrorBody"},
+                            ]
+                        },
+                        "not": {"const": "[DONE]"},
+                    },
+                ]
+            }
+            op["responses"]["200"]["content"]["text/event-stream"] = {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"data": data},
+                    "description": "one server-sent event, when `stream` is true",
+                }
+            }
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -393,6 +501,7 @@ class Server(uvicorn.Server):
 
 def _version() -> str:
     from .. import __version__
+
     return __version__
 
 
@@ -408,8 +517,9 @@ def is_loopback(host: str) -> bool:
 def run(app: FastAPI, host: str, port: int) -> None:
     """Serve `app` with uvicorn on host:port until interrupted."""
     try:
-        Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                              timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run()
+        Server(
+            uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        ).run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on, as uvicorn.run does not
         pass
 
@@ -419,6 +529,7 @@ def limit_context(engine, ctx_size: int) -> None:
     router (each request runs whole on one of them). Set after the pass costs are measured, which time passes at
     long contexts."""
     from ..routing import Router
+
     engines = list(engine.engines.values()) if isinstance(engine, Router) else [engine]
     least = min(e.target.max_length for e in engines)
     if ctx_size > least:

@@ -7,6 +7,7 @@ named as the request names it (engine_error). What stays here is the protocol it
 (temperature <= 2, 4 stop strings, n = 1), what this server allows a request to ask for (max_tokens, gamma and tree
 caps), and the OpenAI fields it does not implement.
 """
+
 # No `from __future__ import annotations`: request_models builds classes at run time, and pydantic must
 # resolve their annotations where they are created.
 import json
@@ -39,27 +40,36 @@ class Speculation(BaseModel):
     """specdecode extension: how to speculate for this request (defaults: the server's). Whatever is chosen, sampled
     output has exactly the target's distribution and greedy output is plain decoding's except at near-ties of the
     target's top two logits; with `exact`, bit for bit."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Literal[METHODS] | None = Field(None, description=help_text())
     gamma: int | None = Field(None, le=MAX_GAMMA, description="draft tokens per target forward pass (chains)")
-    tree_width: int | None = Field(None, le=MAX_TREE_WIDTH, description="tree: children per node (default: cost "
-                                   "model)")
+    tree_width: int | None = Field(None, le=MAX_TREE_WIDTH, description="tree: children per node (default: cost model)")
     tree_depth: int | None = Field(None, le=MAX_TREE_DEPTH, description="tree: depth (default: cost model)")
     tree_nodes: int | None = Field(None, le=MAX_TREE_NODES, description="tree: nodes per pass (default: cost model)")
-    exact: bool | None = Field(None, description="exact greedy mode: output bit-for-bit plain decoding's (default: "
-                               "the server's --exact); needs a server started with --exact and temperature 0")
-    engine: Literal[ENGINES] | None = Field(None, description="the engine that runs the request (default: with "
-                                            "--route, the one predicted to end first; responses name it in "
-                                            "speculation.engine and system_fingerprint). Two engines round "
-                                            "differently, so greedy text can differ between them at near-ties; "
-                                            "one the server does not hold is a 400")
+    exact: bool | None = Field(
+        None,
+        description="exact greedy mode: output bit-for-bit plain decoding's (default: "
+        "the server's --exact); needs a server started with --exact and temperature 0",
+    )
+    engine: Literal[ENGINES] | None = Field(
+        None,
+        description="the engine that runs the request (default: with "
+        "--route, the one predicted to end first; responses name it in "
+        "speculation.engine and system_fingerprint). Two engines round "
+        "differently, so greedy text can differ between them at near-ties; "
+        "one the server does not hold is a 400",
+    )
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool | None = Field(None, description="send a last chunk with `usage` and no choices")
-    include_sources: bool | None = Field(None, description="specdecode extension: each chunk's choice carries "
-                                         "`sources`, one entry per token of its text (where it came from)")
+    include_sources: bool | None = Field(
+        None,
+        description="specdecode extension: each chunk's choice carries "
+        "`sources`, one entry per token of its text (where it came from)",
+    )
 
 
 class TextPart(BaseModel):
@@ -71,6 +81,7 @@ class TextPart(BaseModel):
 class Prediction(BaseModel):
     """OpenAI's Predicted Outputs: text the answer is expected to repeat (an edited file). A source of guesses that
     the target verifies like any other: the output stays the target's, only faster where the guess holds."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["content"]
     content: str | list[TextPart]
@@ -95,31 +106,43 @@ def request_models(max_tokens_cap: int):
     """(CompletionRequest, ChatCompletionRequest) whose max_tokens bound is this app's (the model's context,
     or less). Fields that OpenAI defines and this server does not implement are kept (extra="allow") so that
     unsupported() can refuse them; other unknown fields are ignored."""
-    MaxTokens = Annotated[int | None, Field(None, ge=1, le=max_tokens_cap,
-                                            description=f"tokens to generate, at most {max_tokens_cap}; "
-                                                        "prompt + max_tokens must fit in the context")]
+    MaxTokens = Annotated[
+        int | None,
+        Field(
+            None,
+            ge=1,
+            le=max_tokens_cap,
+            description=f"tokens to generate, at most {max_tokens_cap}; prompt + max_tokens must fit in the context",
+        ),
+    ]
 
     class _Common(BaseModel):
         model_config = ConfigDict(strict=True, extra="allow")
         model: str = Field(description="the served model id (GET /v1/models)")
         max_tokens: MaxTokens = None
-        temperature: float | None = Field(None, le=2, description="0 = greedy (the default, unlike OpenAI's 1); "
-                                                                   "at most 2, as in OpenAI's API")
+        temperature: float | None = Field(
+            None, le=2, description="0 = greedy (the default, unlike OpenAI's 1); at most 2, as in OpenAI's API"
+        )
         top_p: float | None = Field(None, description="nucleus mass in (0, 1], default 1")
         top_k: int | None = Field(None, description="extension: 0 = off (default)")
         seed: int | None = Field(None, description="seed for sampling (any integer; used modulo 2**64)")
         stop: str | Annotated[list[str], Field(max_length=STOP_MAX)] | None = Field(
-            None, description=f"up to {STOP_MAX} stop strings; the text ends before the first one")
+            None, description=f"up to {STOP_MAX} stop strings; the text ends before the first one"
+        )
         n: int | None = Field(None, ge=1, le=1, description="number of choices: only 1 is supported")
         stream: bool | None = Field(False, description="stream server-sent events, ending with `data: [DONE]`")
         stream_options: StreamOptions | None = None
         speculation: Speculation | None = None
-        prediction: Prediction | None = Field(None, description="Predicted Outputs: {\"type\": \"content\", "
-                                              "\"content\": text or text parts} the answer is expected to repeat")
+        prediction: Prediction | None = Field(
+            None,
+            description='Predicted Outputs: {"type": "content", '
+            '"content": text or text parts} the answer is expected to repeat',
+        )
 
     class CompletionRequest(_Common):
         prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
-            description="the prompt: a string (or a list holding one string)")
+            description="the prompt: a string (or a list holding one string)"
+        )
 
     class ChatCompletionRequest(_Common):
         messages: list[ChatMessage]
@@ -159,8 +182,9 @@ def unsupported(body: BaseModel) -> UnsupportedParameter | None:
         harmless = UNSUPPORTED.get(name)
         if harmless is not None and not any(_same(value, ok) for ok in harmless):
             allowed = " or ".join(json.dumps(ok) for ok in harmless)
-            return UnsupportedParameter(f"{name} is not supported by this server (send {allowed}, or leave it out)",
-                                        param=name)
+            return UnsupportedParameter(
+                f"{name} is not supported by this server (send {allowed}, or leave it out)", param=name
+            )
     return None
 
 
@@ -182,6 +206,7 @@ class CompletionTokensDetails(BaseModel):
     longest common subsequence); rejected_prediction_tokens: tokens of the prediction that do not appear in it (the
     whole prediction where the answer ended on its own; where max_tokens cut it, as far as it could have reached).
     OpenAI bills rejected tokens as output; here completion_tokens counts the answer's tokens alone."""
+
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
     reasoning_tokens: int = 0
@@ -198,17 +223,27 @@ class Usage(BaseModel):
     def of(cls, prompt_tokens: int, completion_tokens: int, speculation: dict | None = None) -> "Usage":
         """speculation: the generation's Stats.as_dict(), which holds the prediction's counts (0 without one)."""
         spec = speculation or {}
-        details = CompletionTokensDetails(accepted_prediction_tokens=spec.get("accepted_prediction_tokens", 0),
-                                          rejected_prediction_tokens=spec.get("rejected_prediction_tokens", 0))
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
+        details = CompletionTokensDetails(
+            accepted_prediction_tokens=spec.get("accepted_prediction_tokens", 0),
+            rejected_prediction_tokens=spec.get("rejected_prediction_tokens", 0),
+        )
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            completion_tokens_details=details,
+        )
 
 
 FinishReason = Literal["stop", "length"]
-FINGERPRINT_DOC = ("the engine that ran the request (llama.cpp or torch): with --route two engines whose greedy text "
-                   "can differ at near-ties; a request can pin one (speculation.engine)")
-SPECULATION_DOC = ("specdecode extension: the generation's statistics (Stats.as_dict(): method, gamma, drafted, "
-                   "accepted, acceptance_rate, accepted_per_position, mean_accepted_tokens, timings, finish_reason)")
+FINGERPRINT_DOC = (
+    "the engine that ran the request (llama.cpp or torch): with --route two engines whose greedy text "
+    "can differ at near-ties; a request can pin one (speculation.engine)"
+)
+SPECULATION_DOC = (
+    "specdecode extension: the generation's statistics (Stats.as_dict(): method, gamma, drafted, "
+    "accepted, acceptance_rate, accepted_per_position, mean_accepted_tokens, timings, finish_reason)"
+)
 
 
 class CompletionChoice(BaseModel):
@@ -256,11 +291,14 @@ class TokenSource(BaseModel):
     """specdecode extension (stream_options.include_sources): one token of a chunk's text and where it came from.
     The entries' texts add up to the chunk's text; a token whose text two chunks share has an entry in each (the
     same `token`), and one with no text of its own (the end of text, a character's first bytes) an empty one."""
+
     token: int = Field(description="the token's place in the answer, from 0")
     text: str = Field(description="its part of this chunk's text")
-    source: str = Field(description="target (the target's own token at its step), draft (the draft model), "
-                        "prediction, context (a copy of the prompt or the answer so far), history, datastore, lookup "
-                        "(an earlier output, where the server does not say which)")
+    source: str = Field(
+        description="target (the target's own token at its step), draft (the draft model), "
+        "prediction, context (a copy of the prompt or the answer so far), history, datastore, lookup "
+        "(an earlier output, where the server does not say which)"
+    )
     step: int = Field(description="the target pass that emitted it, from 1 (the prompt's read)")
     drafted: int = Field(description="guesses that pass verified beside its root token")
     accepted: int = Field(description="of them, accepted")
@@ -279,6 +317,7 @@ class CompletionChunkChoice(BaseModel):
 
 class CompletionChunk(BaseModel):
     """One server-sent event of a streamed completion; the last one carries finish_reason, usage, speculation."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -305,6 +344,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(BaseModel):
     """One server-sent event of a streamed chat completion; the last one with choices carries finish_reason,
     usage and speculation (with stream_options.include_usage, one more follows: no choices, usage)."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -350,10 +390,17 @@ def error_body(e: SpecDecodeError) -> ErrorBody:
 
 
 # The request field each Engine argument comes from ("{prompt}": the prompt or the messages); others keep their name.
-WIRE_FIELDS = {"prompt": "{prompt}", "max_new_tokens": "max_tokens", "method": "speculation.method",
-               "gamma": "speculation.gamma", "tree_width": "speculation.tree_width",
-               "tree_depth": "speculation.tree_depth", "tree_nodes": "speculation.tree_nodes",
-               "exact": "speculation.exact", "engine": "speculation.engine"}
+WIRE_FIELDS = {
+    "prompt": "{prompt}",
+    "max_new_tokens": "max_tokens",
+    "method": "speculation.method",
+    "gamma": "speculation.gamma",
+    "tree_width": "speculation.tree_width",
+    "tree_depth": "speculation.tree_depth",
+    "tree_nodes": "speculation.tree_nodes",
+    "exact": "speculation.exact",
+    "engine": "speculation.engine",
+}
 
 
 def engine_error(e: SpecDecodeError, prompt_param: str = "prompt") -> SpecDecodeError:

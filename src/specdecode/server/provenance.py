@@ -8,6 +8,7 @@ each delta its tokens: entries whose texts add up to the delta exactly, one per 
 boundary falls inside a token (the same `token` index twice). With `rest()` at the end, every token of the
 answer has at least one entry, also those with no text (the end-of-text token, the first bytes of a character).
 """
+
 from __future__ import annotations
 
 import os
@@ -58,7 +59,7 @@ class Provenance:
             if take > 0 or not entered:
                 if take <= 0 and length > self._used:
                     break  # the delta ended before this token's text began: it comes with a later delta
-                out.append(self._entry(token, delta[pos:pos + take], info))
+                out.append(self._entry(token, delta[pos : pos + take], info))
                 item[3] = True
                 pos += take
                 self._used += take
@@ -94,13 +95,13 @@ class Provenance:
                 self._info()
             self._known = n
         for k in range(self._known, n):
-            tail = self.decode(self.ids[self._context:k + 1])[len(self._prefix):]
+            tail = self.decode(self.ids[self._context : k + 1])[len(self._prefix) :]
             settled = self._settled_length(tail, k + 1 - TAIL_TOKENS)
             self._queue.append([k, max(0, settled - self._settled), self._info(), False])
             self._settled = max(self._settled, settled)
             if settled == len(tail):  # ids[:k + 1] end between two characters: the window moves past them
                 self._context, self._read = self._read, k + 1
-                self._prefix, self._settled = self.decode(self.ids[self._context:self._read]), 0
+                self._prefix, self._settled = self.decode(self.ids[self._context : self._read]), 0
             self._known += 1
 
     def _settled_length(self, tail: str, cut: int) -> int:
@@ -109,7 +110,7 @@ class Provenance:
         the last TAIL_TOKENS made it, which no later byte can change."""
         final = 0
         if self._local and cut > self._read:
-            final = len(os.path.commonprefix([self.decode(self.ids[self._context:cut])[len(self._prefix):], tail]))
+            final = len(os.path.commonprefix([self.decode(self.ids[self._context : cut])[len(self._prefix) :], tail]))
         end = len(tail)
         while end > final and tail[end - 1] == "\ufffd":
             end -= 1

@@ -17,6 +17,7 @@ controller's environment, inherited by the proxies), turns these into an OpenAI-
 openai client retries it by itself), or a final `data: {"error": ...}` event and `data: [DONE]` in a stream that
 had begun (the openai client raises APIError). Ray Serve replaces the replica; the others keep serving.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,12 +44,15 @@ def _check_ray():
     try:
         import ray
     except ImportError:
-        raise SpecDecodeError("Ray Serve is not installed: pip install \"specdecode[ray]\" (from a checkout: "
-                              "pip install -e \".[ray]\")") from None
+        raise SpecDecodeError(
+            'Ray Serve is not installed: pip install "specdecode[ray]" (from a checkout: pip install -e ".[ray]")'
+        ) from None
     version = tuple(int(x) for x in ray.__version__.split(".")[:2] if x.isdigit())
     if version < MIN_RAY:
-        raise SpecDecodeError(f"ray {ray.__version__} is too old for specdecode's replicas; need ray[serve] >= "
-                              f"{'.'.join(map(str, MIN_RAY))}: pip install -U \"specdecode[ray]\"")
+        raise SpecDecodeError(
+            f"ray {ray.__version__} is too old for specdecode's replicas; need ray[serve] >= "
+            f'{".".join(map(str, MIN_RAY))}: pip install -U "specdecode[ray]"'
+        )
     return ray
 
 
@@ -59,6 +63,7 @@ class Replica:
     def __init__(self, load: dict, app: dict, ctx_size: int | None = None):
         from ..engine import Engine
         from .app import create_app, limit_context
+
         self.replica_id = _replica_id()
         threads = load.get("threads")
         if threads:  # what the engine's own kernels (llama.cpp, torch) and any OpenMP pool may use
@@ -83,6 +88,7 @@ class Replica:
 def _replica_id() -> str:
     try:
         from ray import serve
+
         ctx = serve.get_replica_context()
         return str(getattr(ctx.replica_id, "unique_id", None) or ctx.replica_tag)
     except Exception:  # outside a replica (tests, local use)
@@ -133,6 +139,7 @@ def relabelled(registry, **labels):
 def proxy_middlewares() -> list:
     """Ray Serve's HTTP proxy callback (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): its Starlette middlewares."""
     from starlette.middleware import Middleware
+
     return [Middleware(ReplicaFault)]
 
 
@@ -170,10 +177,14 @@ class ReplicaFault:
 
     async def _finish(self, state, scope, receive, send):
         from .protocol import SSE_DONE, error_body, sse
-        err = ReplicaLost("the replica serving this request stopped before it finished; retry the request",
-                          retry_after=self.RETRY_AFTER_S)
+
+        err = ReplicaLost(
+            "the replica serving this request stopped before it finished; retry the request",
+            retry_after=self.RETRY_AFTER_S,
+        )
         if not state["started"]:
             from .service import error_response
+
             await error_response(err)(scope, receive, send)
         elif state["sse"]:
             body = (sse(error_body(err)) + SSE_DONE).encode()
@@ -181,11 +192,26 @@ class ReplicaFault:
 
 
 # -- the application ---------------------------------------------------------------------------------------------------
-def ray_app(target: str | None = None, draft: str | None = None, *, method: str = DEFAULT_METHOD,
-            gamma: int = DEFAULT_GAMMA, replicas: int = 1, autoscale: tuple[int, int] | None = None, threads: int = 1,
-            target_ongoing_requests: float = 2.0, served_model_name: str | None = None, api_key: str | None = None,
-            protect_all: bool = False, max_queue: int = 16, timeout_s: float = 300.0, show_sources: bool = False,
-            max_tokens_cap: int | None = None, ctx_size: int | None = None, **load):
+def ray_app(
+    target: str | None = None,
+    draft: str | None = None,
+    *,
+    method: str = DEFAULT_METHOD,
+    gamma: int = DEFAULT_GAMMA,
+    replicas: int = 1,
+    autoscale: tuple[int, int] | None = None,
+    threads: int = 1,
+    target_ongoing_requests: float = 2.0,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    protect_all: bool = False,
+    max_queue: int = 16,
+    timeout_s: float = 300.0,
+    show_sources: bool = False,
+    max_tokens_cap: int | None = None,
+    ctx_size: int | None = None,
+    **load,
+):
     """A Ray Serve application: `replicas` replicas (or autoscaled within `autoscale` = (min, max) on the requests
     queued and running per replica, `target_ongoing_requests` each), each an Engine on `threads` CPU threads
     serving the OpenAI-compatible app. max_tokens_cap, ctx_size, protect_all and show_sources: as
@@ -200,16 +226,30 @@ def ray_app(target: str | None = None, draft: str | None = None, *, method: str 
     from ..backends import DEFAULT_TARGET
     from ..methods import wants_draft_model
     from .app import model_name
+
     positive_int("threads", threads)
     scaling = _scaling(replicas, autoscale, target_ongoing_requests)
     load.setdefault("with_draft", wants_draft_model([method]) or draft is not None)
     load = dict(load, target=target, draft=draft, threads=threads)
-    app = dict(model_id=served_model_name or model_name(target or DEFAULT_TARGET), method=method, gamma=gamma,
-               api_key=api_key, protect_all=protect_all, max_queue=max_queue, timeout_s=timeout_s,
-               max_tokens_cap=max_tokens_cap, show_sources=show_sources)
+    app = dict(
+        model_id=served_model_name or model_name(target or DEFAULT_TARGET),
+        method=method,
+        gamma=gamma,
+        api_key=api_key,
+        protect_all=protect_all,
+        max_queue=max_queue,
+        timeout_s=timeout_s,
+        max_tokens_cap=max_tokens_cap,
+        show_sources=show_sources,
+    )
     deployment = serve.deployment(
-        name="SpecDecode", ray_actor_options={"num_cpus": threads}, max_ongoing_requests=max_queue + 1,
-        health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=10, **scaling,
+        name="SpecDecode",
+        ray_actor_options={"num_cpus": threads},
+        max_ongoing_requests=max_queue + 1,
+        health_check_period_s=5,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=10,
+        **scaling,
     )(serve.ingress(FastAPI())(Replica))  # the placeholder app is replaced per replica (__serve_build_asgi_app__)
     return deployment.bind(load, app, ctx_size)
 
@@ -223,9 +263,16 @@ def _scaling(replicas: int, autoscale, target_ongoing_requests: float) -> dict:
         raise SpecDecodeError(f"autoscale must be MIN,MAX with 0 <= MIN <= MAX and MAX >= 1, got {lo},{hi}")
     if not target_ongoing_requests > 0:
         raise SpecDecodeError(f"target_ongoing_requests must be positive, got {target_ongoing_requests!r}")
-    return {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi, "initial_replicas": max(lo, 1),
-                                   "target_ongoing_requests": target_ongoing_requests,
-                                   "upscale_delay_s": 5, "downscale_delay_s": 60}}
+    return {
+        "autoscaling_config": {
+            "min_replicas": lo,
+            "max_replicas": hi,
+            "initial_replicas": max(lo, 1),
+            "target_ongoing_requests": target_ongoing_requests,
+            "upscale_delay_s": 5,
+            "downscale_delay_s": 60,
+        }
+    }
 
 
 def start(host: str = "127.0.0.1", port: int = 8000, *, address: str | None = None, **init):
@@ -233,6 +280,7 @@ def start(host: str = "127.0.0.1", port: int = 8000, *, address: str | None = No
     a new one in this process) and start Serve's HTTP proxies on host:port with `proxy_middlewares` installed."""
     ray = _check_ray()
     from ray import serve
+
     env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK, **SLOW_MACHINE_ENV}
     ours = not ray.is_initialized()  # a cluster connection this call makes, closed again if Serve cannot start
     error = None
@@ -240,8 +288,9 @@ def start(host: str = "127.0.0.1", port: int = 8000, *, address: str | None = No
         try:
             if not ray.is_initialized():
                 ray.init(address=address, **init)
-            serve.start(http_options={"host": host, "port": port},
-                        controller_options={"runtime_env": {"env_vars": env}})
+            serve.start(
+                http_options={"host": host, "port": port}, controller_options={"runtime_env": {"env_vars": env}}
+            )
             return
         except Exception as e:  # Ray's own errors (ActorDiedError, RaySystemError, ...) share no base class
             error = e
@@ -256,8 +305,10 @@ def start(host: str = "127.0.0.1", port: int = 8000, *, address: str | None = No
         except Exception:
             pass
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    raise SpecDecodeError(f"Ray Serve did not start its HTTP proxy on {host}:{port} ({START_TRIES} tries; a busy "
-                          f"machine, or the port taken?): {type(error).__name__}: {first}")
+    raise SpecDecodeError(
+        f"Ray Serve did not start its HTTP proxy on {host}:{port} ({START_TRIES} tries; a busy "
+        f"machine, or the port taken?): {type(error).__name__}: {first}"
+    )
 
 
 def _started_here(ray) -> bool:
@@ -285,9 +336,10 @@ def run_ray(app, host: str, port: int, scale: str, settings: str) -> None:
     lines printed."""
     import ray
     from ray import serve
+
     start(host, port)
     for sig in (signal.SIGINT, signal.SIGTERM):  # both stop it in order (Ray's own SIGTERM handler leaves agents
-        signal.signal(sig, _interrupt)           # behind; a shell's background job starts with SIGINT ignored)
+        signal.signal(sig, _interrupt)  # behind; a shell's background job starts with SIGINT ignored)
     try:
         sys.stderr.write(f"specdecode: starting {scale} on Ray Serve; loading the models\n")
         try:
@@ -297,8 +349,10 @@ def run_ray(app, host: str, port: int, scale: str, settings: str) -> None:
         except Exception as e:  # Ray itself (its controller or proxy died): one line, not Ray's traceback
             first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
             raise SpecDecodeError(f"Ray Serve could not deploy the replicas: {type(e).__name__}: {first}") from None
-        sys.stderr.write(f"specdecode: serving at http://{host}:{port}/v1 on every node of the Ray cluster "
-                         f"({settings}); Ctrl-C stops it\n")
+        sys.stderr.write(
+            f"specdecode: serving at http://{host}:{port}/v1 on every node of the Ray cluster "
+            f"({settings}); Ctrl-C stops it\n"
+        )
         while True:
             time.sleep(3600)
     finally:

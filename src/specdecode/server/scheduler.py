@@ -12,6 +12,7 @@ goes away is noticed within POLL_S, while its events flow too. Deadlines: a job 
 (Worker.events); a running job that passes it ends at its next step with finish_reason "length" ("timeout" in its
 speculation stats).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,6 +70,7 @@ class Disconnected(Exception):
 @dataclass
 class End:
     """The last event of a generation that ran to its end."""
+
     text: str
     finish_reason: str  # "stop" | "length" (OpenAI's)
     prompt_tokens: int
@@ -88,8 +90,9 @@ def generation_error(e: SpecDecodeError, endpoint: str, retry_after: int) -> Spe
     if isinstance(e, ContextExceeded):
         return engine_error(e, "messages" if endpoint == "chat" else "prompt")
     if isinstance(e, Unavailable):
-        return EngineUnavailable(f"the server could not run this generation now ({e.message}); retry later",
-                                 retry_after=retry_after)
+        return EngineUnavailable(
+            f"the server could not run this generation now ({e.message}); retry later", retry_after=retry_after
+        )
     return EngineFailed(f"the generation failed: {e.message}")
 
 
@@ -169,8 +172,9 @@ class Worker:
         return max(1, min(600, math.ceil(self._mean_s * ahead)))
 
     def queue_timeout(self) -> QueueTimeout:
-        return QueueTimeout("the request waited in the queue longer than the server's timeout",
-                            retry_after=self.retry_after())
+        return QueueTimeout(
+            "the request waited in the queue longer than the server's timeout", retry_after=self.retry_after()
+        )
 
     # -- the request side ---------------------------------------------------------------------------------------------
     def check_room(self) -> None:
@@ -212,8 +216,9 @@ class Worker:
             raise shutting_down()
         free = len(self._engines) - len(self._running)  # a request being opened may run at once on a free engine
         if len(self._waiting) >= self.max_queue or len(self._waiting) + self._opening >= self.max_queue + free:
-            raise Overloaded(f"the server is busy ({self.max_queue} requests waiting); retry later",
-                             retry_after=self.retry_after())
+            raise Overloaded(
+                f"the server is busy ({self.max_queue} requests waiting); retry later", retry_after=self.retry_after()
+            )
 
     def cancel(self, job: Job) -> None:
         """The client is gone: drop the job if it waits, stop it at its next delta if it runs; a no-op once
@@ -232,8 +237,9 @@ class Worker:
             self._cv.notify_all()
             return True
 
-    async def events(self, job: Job, disconnected: Callable[[], Awaitable[bool]] | None = None,
-                     keepalive_s: float | None = None) -> AsyncIterator[tuple]:
+    async def events(
+        self, job: Job, disconnected: Callable[[], Awaitable[bool]] | None = None, keepalive_s: float | None = None
+    ) -> AsyncIterator[tuple]:
         """The job's events up to and including its end or error. While none comes it checks, every POLL_S,
         whether the client went away (`disconnected`: then the job is cancelled and Disconnected raised) and
         whether the job is still queued at its deadline (then it is withdrawn and a 503 is the last event);
@@ -278,8 +284,9 @@ class Worker:
         for i, thread in enumerate(self._threads):
             if thread is None or not thread.is_alive():
                 self._stopping = False
-                self._threads[i] = threading.Thread(target=self._loop, args=(i,), name=f"specdecode-worker-{i}",
-                                                    daemon=True)
+                self._threads[i] = threading.Thread(
+                    target=self._loop, args=(i,), name=f"specdecode-worker-{i}", daemon=True
+                )
                 self._threads[i].start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -356,8 +363,12 @@ class Worker:
                 self._free(i, job)
                 if not job.ended and (job.shutdown or not job.cancelled.is_set()):
                     # a job taken, then stopped by a shutdown before it ran: its client still hears why
-                    job.push(("error", shutting_down() if job.shutdown else ServerFault(
-                        "the generation ended without a result")))
+                    job.push(
+                        (
+                            "error",
+                            shutting_down() if job.shutdown else ServerFault("the generation ended without a result"),
+                        )
+                    )
 
     def _fail(self, job: Job, err: SpecDecodeError) -> None:
         """The job's generation failed: its last event, and the failure counted by status and code."""
@@ -422,7 +433,15 @@ class Worker:
         rest = [] if track is None else track.rest()  # tokens with no text sent (the end of text): theirs too
         if rest:
             job.push(("delta", ("", rest)))
-        job.push(("end", End(text=result.text if result is not None else "".join(parts),
-                             finish_reason="length" if finish in ("length", "timeout") else "stop",
-                             prompt_tokens=stats.prompt_tokens, completion_tokens=stats.new_tokens,
-                             speculation=spec)))
+        job.push(
+            (
+                "end",
+                End(
+                    text=result.text if result is not None else "".join(parts),
+                    finish_reason="length" if finish in ("length", "timeout") else "stop",
+                    prompt_tokens=stats.prompt_tokens,
+                    completion_tokens=stats.new_tokens,
+                    speculation=spec,
+                ),
+            )
+        )

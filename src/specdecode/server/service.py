@@ -4,6 +4,7 @@ the stream is queued as a Job (a full queue is a 503 with Retry-After); then the
 JSON body, or server-sent events whose headers go out at once (with ": keep-alive" comments while the job
 is silent: queued, or reading its prompt).
 """
+
 # No `from __future__ import annotations`, as in app.py: pydantic and FastAPI read the annotations.
 import hashlib
 import logging
@@ -41,8 +42,11 @@ class EventStream(StreamingResponse):
     """Server-sent events; whatever ends the response (the end, a disconnect, an error) ends the job."""
 
     def __init__(self, content, worker: Worker, job: Job):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **engine_header(job)})
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **engine_header(job)},
+        )
         self.worker, self.job = worker, job
 
     async def __call__(self, scope, receive, send):
@@ -55,8 +59,20 @@ class EventStream(StreamingResponse):
 class Service:
     """What the routes do: one served model, its default speculation, the worker."""
 
-    def __init__(self, engine, worker: Worker, *, model_id: str, method: str, gamma: int, max_tokens_cap: int,
-                 timeout_s: float, keepalive_s: float, show_sources: bool = False, context: int | None = None):
+    def __init__(
+        self,
+        engine,
+        worker: Worker,
+        *,
+        model_id: str,
+        method: str,
+        gamma: int,
+        max_tokens_cap: int,
+        timeout_s: float,
+        keepalive_s: float,
+        show_sources: bool = False,
+        context: int | None = None,
+    ):
         self.engine, self.worker, self.model_id = engine, worker, model_id
         self.method, self.gamma, self.cap = method, gamma, max_tokens_cap
         self.timeout_s, self.keepalive_s = timeout_s, keepalive_s
@@ -100,8 +116,11 @@ class Service:
         if body.prediction is not None:
             self._check_prediction(body.prediction.text())
         self._check_engine(body.speculation)
-        job = Job(await self.open(body, endpoint, prompt, self._history(request), self._scope(request)), endpoint,
-                  self.timeout_s)
+        job = Job(
+            await self.open(body, endpoint, prompt, self._history(request), self._scope(request)),
+            endpoint,
+            self.timeout_s,
+        )
         if body.stream and body.stream_options and body.stream_options.include_sources:
             job.sources = self._public_source
         self._admit(job)
@@ -132,8 +151,11 @@ class Service:
         factor = 2 if self.normalized else 1  # a normalizer may shorten the text (composing characters)
         most = None if self.token_chars is None else factor * self.token_chars * self.context
         if most is not None and chars > most:
-            raise ContextExceeded(f"the prompt has {chars} characters, more than the {self.context} tokens of the "
-                                  "model's context can hold, so no token can be generated", param=param)
+            raise ContextExceeded(
+                f"the prompt has {chars} characters, more than the {self.context} tokens of the "
+                "model's context can hold, so no token can be generated",
+                param=param,
+            )
 
     def _check_prediction(self, text: str) -> None:
         """Before tokenizing: a prediction that is no text (a lone UTF-16 surrogate) or that has more characters than
@@ -141,19 +163,27 @@ class Service:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise InvalidField(f"the prediction holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at "
-                               f"character {e.start}), which is not text; send UTF-8 text or a surrogate pair",
-                               param="prediction") from None
+            raise InvalidField(
+                f"the prediction holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x} at "
+                f"character {e.start}), which is not text; send UTF-8 text or a surrogate pair",
+                param="prediction",
+            ) from None
         most = None if self.token_chars is None else (2 if self.normalized else 1) * self.token_chars * self.context
         if most is not None and len(text) > most:
-            raise ContextExceeded(f"the prediction has {len(text)} characters, more than the {self.context} tokens "
-                                  "of the model's context can hold", param="prediction")
+            raise ContextExceeded(
+                f"the prediction has {len(text)} characters, more than the {self.context} tokens "
+                "of the model's context can hold",
+                param="prediction",
+            )
 
     def _check_engine(self, spec) -> None:
         """A pinned engine this server does not run is a 400 naming the field, before tokenizing."""
         if spec is not None and spec.engine is not None and spec.engine not in self.engine_names:
-            raise InvalidField(f"speculation.engine is {spec.engine!r}, but this server runs "
-                               f"{' and '.join(map(repr, self.engine_names))}", param="speculation.engine")
+            raise InvalidField(
+                f"speculation.engine is {spec.engine!r}, but this server runs "
+                f"{' and '.join(map(repr, self.engine_names))}",
+                param="speculation.engine",
+            )
 
     def _history(self, request: Request) -> History | None:
         """The output history of the request's API key (the bearer token it sends, whether or not the server asks
@@ -186,29 +216,41 @@ class Service:
         request = self.engine_request(body, endpoint, prompt, history, scope)
         param = "messages" if request.chat else "prompt"
         try:  # batch slots: a tree a slot cannot hold is a 400, not a stream error
-            self.worker.check_tree(method=request.method, tree_width=request.tree_width,
-                                   tree_depth=request.tree_depth, tree_nodes=request.tree_nodes)
+            self.worker.check_tree(
+                method=request.method,
+                tree_width=request.tree_width,
+                tree_depth=request.tree_depth,
+                tree_nodes=request.tree_nodes,
+            )
             stream = await self.worker.open(self._open_stream, request)  # while it waits, it counts as queued
         except SpecDecodeError as e:
             raise p.engine_error(e, param) from None
         predicted = stream.prediction_ids
         if predicted is not None and len(predicted) > self.context:
-            raise ContextExceeded(f"the prediction has {len(predicted)} tokens; the model's context holds "
-                                  f"{self.context}", param="prediction")
+            raise ContextExceeded(
+                f"the prediction has {len(predicted)} tokens; the model's context holds {self.context}",
+                param="prediction",
+            )
         # the engine that runs it, named in the response: a Router's choice, or the one engine's backend
         stream.stats.engine = stream.stats.engine or self.engine_names[0]
         n = stream.stats.prompt_tokens
         room = self.context - n
         if room <= 0:
-            raise ContextExceeded(f"the prompt has {n} tokens; the model's context holds {self.context}, so no token "
-                                  "can be generated", param=param)
+            raise ContextExceeded(
+                f"the prompt has {n} tokens; the model's context holds {self.context}, so no token can be generated",
+                param=param,
+            )
         if body.max_tokens is not None and body.max_tokens > room:
-            raise ContextExceeded(f"the prompt has {n} tokens and max_tokens is {body.max_tokens}, but the model's "
-                                  f"context holds {self.context} tokens; ask for at most {room}", param="max_tokens")
+            raise ContextExceeded(
+                f"the prompt has {n} tokens and max_tokens is {body.max_tokens}, but the model's "
+                f"context holds {self.context} tokens; ask for at most {room}",
+                param="max_tokens",
+            )
         return stream
 
-    def engine_request(self, body, endpoint: str, prompt, history: History | None = None,
-                       scope: str = "") -> EngineRequest:
+    def engine_request(
+        self, body, endpoint: str, prompt, history: History | None = None, scope: str = ""
+    ) -> EngineRequest:
         """The body as the engine's typed request, with this server's defaults (method, gamma, max_tokens)."""
         spec = body.speculation or p.Speculation()
         if body.max_tokens is not None:
@@ -216,14 +258,26 @@ class Service:
         else:  # the Engine stops at the context, so "the room left" is the cap
             max_tokens = min(self.cap, COMPLETIONS_DEFAULT_MAX_TOKENS) if endpoint == "completions" else self.cap
         gamma = self.gamma if spec.gamma is None else spec.gamma
-        return EngineRequest(prompt, method=spec.method or self.method, gamma=gamma, max_new_tokens=max_tokens,
-                             temperature=0.0 if body.temperature is None else body.temperature,
-                             top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
-                             seed=None if body.seed is None else body.seed % (1 << 64), stop=body.stop,
-                             chat=endpoint == "chat", tree_width=spec.tree_width, tree_depth=spec.tree_depth,
-                             tree_nodes=spec.tree_nodes, exact=spec.exact, history=history, cache_scope=scope,
-                             prediction=body.prediction.text() if body.prediction else None,
-                             engine=spec.engine if self.routed else None)
+        return EngineRequest(
+            prompt,
+            method=spec.method or self.method,
+            gamma=gamma,
+            max_new_tokens=max_tokens,
+            temperature=0.0 if body.temperature is None else body.temperature,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=None if body.seed is None else body.seed % (1 << 64),
+            stop=body.stop,
+            chat=endpoint == "chat",
+            tree_width=spec.tree_width,
+            tree_depth=spec.tree_depth,
+            tree_nodes=spec.tree_nodes,
+            exact=spec.exact,
+            history=history,
+            cache_scope=scope,
+            prediction=body.prediction.text() if body.prediction else None,
+            engine=spec.engine if self.routed else None,
+        )
 
     def warm_up(self) -> None:
         """At start-up, before any request: measure (once per machine; cached) or read what a request would
@@ -247,37 +301,57 @@ class Service:
         fingerprint = end.speculation.get("engine")
         if endpoint == "chat":
             return p.ChatCompletionResponse(
-                id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
+                id=f"chatcmpl-{uuid.uuid4().hex}",
+                created=int(time.time()),
+                model=self.model_id,
+                usage=usage,
                 system_fingerprint=fingerprint,
                 choices=[p.ChatChoice(message=p.AssistantMessage(content=end.text), finish_reason=end.finish_reason)],
-                speculation=self._speculation(end.speculation))
+                speculation=self._speculation(end.speculation),
+            )
         return p.CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id, usage=usage,
+            id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_id,
+            usage=usage,
             system_fingerprint=fingerprint,
             choices=[p.CompletionChoice(text=end.text, finish_reason=end.finish_reason)],
-            speculation=self._speculation(end.speculation))
+            speculation=self._speculation(end.speculation),
+        )
 
     async def events(self, job: Job, body, endpoint: str):
         """The job as server-sent events: keep-alive comments while it is silent (queued, or reading its prompt), a
         chunk per delta, the last chunk
         with finish_reason, usage and speculation, then `data: [DONE]`."""
         chat = endpoint == "chat"
-        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
-                    model=self.model_id, system_fingerprint=job.stream.stats.engine)
+        head = dict(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_id,
+            system_fingerprint=job.stream.stats.engine,
+        )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(text: str | None = None, finish: str | None = None, sources: list | None = None,
-                  **extra) -> BaseModel:
+        def chunk(
+            text: str | None = None, finish: str | None = None, sources: list | None = None, **extra
+        ) -> BaseModel:
             if chat:
                 delta = p.ChatDelta() if text is None else p.ChatDelta(content=text)
-                return p.ChatCompletionChunk(**head, **extra, choices=[
-                    p.ChatChunkChoice(delta=delta, finish_reason=finish, sources=sources)])
-            return p.CompletionChunk(**head, **extra, choices=[
-                p.CompletionChunkChoice(text=text or "", finish_reason=finish, sources=sources)])
+                return p.ChatCompletionChunk(
+                    **head, **extra, choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish, sources=sources)]
+                )
+            return p.CompletionChunk(
+                **head,
+                **extra,
+                choices=[p.CompletionChunkChoice(text=text or "", finish_reason=finish, sources=sources)],
+            )
 
         if chat:
-            yield p.sse(p.ChatCompletionChunk(**head, choices=[
-                p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""))]))
+            yield p.sse(
+                p.ChatCompletionChunk(
+                    **head, choices=[p.ChatChunkChoice(delta=p.ChatDelta(role="assistant", content=""))]
+                )
+            )
         try:
             async for kind, value in self.worker.events(job, keepalive_s=self.keepalive_s):
                 if kind == "wait":
@@ -286,8 +360,9 @@ class Service:
                     yield p.sse(chunk(value) if isinstance(value, str) else chunk(value[0], sources=value[1]))
                 elif kind == "end":
                     usage = p.Usage.of(value.prompt_tokens, value.completion_tokens, value.speculation)
-                    yield p.sse(chunk(None, value.finish_reason, usage=usage,
-                                      speculation=self._speculation(value.speculation)))
+                    yield p.sse(
+                        chunk(None, value.finish_reason, usage=usage, speculation=self._speculation(value.speculation))
+                    )
                     if include_usage:
                         last = p.ChatCompletionChunk if chat else p.CompletionChunk
                         yield p.sse(last(**head, choices=[], usage=usage))

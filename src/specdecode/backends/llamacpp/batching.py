@@ -12,6 +12,7 @@ share one llama.cpp context, and their passes run together in one `llama_decode`
   waiting passes of one context run together, split into several llama_decode calls where the measured cost
   of whole passes says that is cheaper (a pass size whose kernel is slow per token is avoided).
 """
+
 from __future__ import annotations
 
 import threading
@@ -116,6 +117,7 @@ class Lockstep:
                                 self._queues[ctx] = [r for r in late if r[3] in seen]
                         taken.extend(join)
                         return join
+
                     try:
                         self.passes += ctx.decode(batch, done, more)
                         self.rows += len(taken)
@@ -152,6 +154,7 @@ class _Locked:
         def locked(*args):
             with self._lock:
                 return f(*args)
+
         return locked
 
 
@@ -169,8 +172,9 @@ class SharedContext:
         park = 1 if lm.exact else 0
         per = node_ids(slots, lm.exact)
         if slots < 1 or per < 1:
-            raise SpecDecodeError(f"a llama.cpp context holds {MAX_SEQ} sequences: at most {MAX_SEQ // (2 + park)} "
-                                  f"slots, not {slots}")
+            raise SpecDecodeError(
+                f"a llama.cpp context holds {MAX_SEQ} sequences: at most {MAX_SEQ // (2 + park)} slots, not {slots}"
+            )
         self.lm, self.lockstep, self.cost = lm, lockstep, cost
         self.per_cell = 0.0  # seconds a tiled call mixing generations spends per cell of the others (split.time_mixing)
         # told each call's size and seconds (planning.batch.CallCostTracker)
@@ -184,16 +188,17 @@ class SharedContext:
         cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.ctx = lc.llama_init_from_model(lm._model, cparams)
         if not self.ctx:
-            raise EngineUnavailable(f"llama.cpp could not create a context of {cells} cells for {slots} slots "
-                                    "(memory?)")
+            raise EngineUnavailable(
+                f"llama.cpp could not create a context of {cells} cells for {slots} slots (memory?)"
+            )
         self.mem = lc.llama_get_memory(self.ctx)
         self.cells = int(lc.llama_n_ctx(self.ctx))
         self._batch = lc.llama_batch_init(N_BATCH, 0, MAX_SEQ)
         ids = list(range(MAX_SEQ))
         self.slots = []
         for s in range(slots):
-            own, ids = ids[:1 + park + per], ids[1 + park + per:]
-            self.slots.append(LlamaSlot(self, own[0], own[1] if park else None, own[1 + park:], self.cells // slots))
+            own, ids = ids[: 1 + park + per], ids[1 + park + per :]
+            self.slots.append(LlamaSlot(self, own[0], own[1] if park else None, own[1 + park :], self.cells // slots))
 
     def time_calls(self, sizes, context: int = 128, repeats: int = 3, chunk_from: int = 32) -> dict[int, float]:
         """Seconds of one llama_decode call over m tokens, every slot `context` tokens in: the cost of the whole calls
@@ -211,8 +216,11 @@ class SharedContext:
         for _ in range(repeats):
             for m in sizes:
                 per = [m // n + (i < m % n) for i in range(n)] if m < chunk_from else [m - n + 1] + [1] * (n - 1)
-                tokens = [(1, context + k, [slot.seq0], m < chunk_from or k == c - 1)
-                          for slot, c in zip(self.slots, per) for k in range(c)]
+                tokens = [
+                    (1, context + k, [slot.seq0], m < chunk_from or k == c - 1)
+                    for slot, c in zip(self.slots, per)
+                    for k in range(c)
+                ]
                 t = time.perf_counter()
                 self._decode(tokens)
                 best[m] = min(best.get(m, float("inf")), time.perf_counter() - t)
@@ -222,8 +230,9 @@ class SharedContext:
             slot.reset()
         return dict(sorted(best.items()))
 
-    def decode(self, batch: list, done: Callable[[list], None] | None = None,
-               more: Callable[[], list] | None = None) -> int:
+    def decode(
+        self, batch: list, done: Callable[[list], None] | None = None, more: Callable[[], list] | None = None
+    ) -> int:
         """Run the waiting passes (requests [tokens, rows, error], filled in here); returns the calls made. The
         shortest passes go first (one-token steps before prompts' chunks, short prompts before long ones), and
         `done(part)` hands each call's passes back as soon as it ends: a short prompt's first token does not wait
@@ -232,8 +241,13 @@ class SharedContext:
         instead of after all of this round's calls (measured: docs/results/notes.md#code-short-first)."""
         calls, todo = 0, sorted(batch, key=lambda r: len(r[0]))
         while todo:
-            g = plan_split([len(r[0]) for r in todo], self.cost, cells=[1 + max(t[1] for t in r[0]) for r in todo],
-                           in_use=sum(len(s.ids) for s in self.slots), per_cell=self.per_cell)[0]
+            g = plan_split(
+                [len(r[0]) for r in todo],
+                self.cost,
+                cells=[1 + max(t[1] for t in r[0]) for r in todo],
+                in_use=sum(len(s.ids) for s in self.slots),
+                per_cell=self.per_cell,
+            )[0]
             part, todo = todo[:g], todo[g:]
             calls += 1
             try:
@@ -244,7 +258,7 @@ class SharedContext:
                 k = 0
                 for r in part:
                     n = sum(1 for t in r[0] if t[3])
-                    r[1] = rows[k:k + n] if n else np.zeros((0, self.lm.vocab_size), np.float32)
+                    r[1] = rows[k : k + n] if n else np.zeros((0, self.lm.vocab_size), np.float32)
                     k += n
             except Exception as e:  # every pass of the failed call fails, the others go on
                 for r in part:
@@ -266,8 +280,10 @@ class SharedContext:
         with self.lock:
             rc = compute.call(lc.llama_decode, self.ctx, batch)
             if rc != 0:
-                raise EngineUnavailable(f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched "
-                                        f"pass; {self.cells} cells shared by {len(self.slots)} slots)")
+                raise EngineUnavailable(
+                    f"llama_decode failed with status {rc} ({len(tokens)} tokens of a batched "
+                    f"pass; {self.cells} cells shared by {len(self.slots)} slots)"
+                )
             if not n_out:
                 return np.zeros((0, self.lm.vocab_size), np.float32)
             return np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n_out, self.lm.vocab_size)).copy()
@@ -287,8 +303,24 @@ class LlamaSlot(LlamaLM):
 
     def __init__(self, shared: SharedContext, seq0: int, park: int | None, node_ids: list[int], cells: int):
         lm = shared.lm
-        for name in ("_lc", "path", "exact", "repack", "_model", "_vocab", "vocab_size", "threads", "_cparams",
-                     "device", "dtype", "name", "eos_token_ids", "eog_ids", "n_params", "quant_info"):
+        for name in (
+            "_lc",
+            "path",
+            "exact",
+            "repack",
+            "_model",
+            "_vocab",
+            "vocab_size",
+            "threads",
+            "_cparams",
+            "device",
+            "dtype",
+            "name",
+            "eos_token_ids",
+            "eog_ids",
+            "n_params",
+            "quant_info",
+        ):
             setattr(self, name, getattr(lm, name))
         self._lc = _Locked(lm._lc, shared.lock)
         self._shared, self._ctx, self._mem, self._cells = shared, shared.ctx, shared.mem, cells
@@ -297,6 +329,7 @@ class LlamaSlot(LlamaLM):
         self.max_length = min(lm.max_length, cells - len(node_ids))
         self._batch = None
         self.ids, self.seq = [], []
+        self._free = list(self._node_ids)  # before the first reset: every node id is free
         self._held = (None, 0)  # (scope, n): entries [0, n) stay in this slot's cache until it lowers n (prefix_lock)
         self.reset()
 
@@ -365,7 +398,7 @@ class LlamaSlot(LlamaLM):
         with self._shared.prefix_lock:
             self._held = (None, 0)
         lc = self._lc
-        free = set(getattr(self, "_free", ()))
+        free = set(self._free)
         taken = [sid for sid in self._node_ids if sid not in free]  # ids in use, or taken by a pass that failed
         for sid in (self.seq0, *taken, *((self.park,) if self.park is not None else ())):
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)

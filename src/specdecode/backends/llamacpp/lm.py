@@ -15,6 +15,7 @@ every cell that holds its FIRST sequence id, at a position <= its own. So:
   node into sequence 0 (over the branch's positions), then `seq_rm` of every tree id. No
   recomputation and no copying of keys or values.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,9 +38,25 @@ PARK = MAX_SEQ - 1  # exact mode: the sequence id that holds parked cells (seen 
 # prompt and max_new_tokens): without flash attention values are stored transposed with a row stride of the cell
 # count, so a big context slows every decode step (measured: docs/results/notes.md#code-first-ctx).
 FIRST_CTX = 4096
-_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
-               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
-               32: "BF16"}
+_FILE_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    32: "BF16",
+}
 
 
 def available() -> bool:
@@ -59,8 +76,10 @@ def _lib():
     try:
         import llama_cpp as lc
     except ImportError as e:
-        raise SpecDecodeError("the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
-                              f"(builds from source, about 5 minutes) ({e})") from None
+        raise SpecDecodeError(
+            "the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
+            f"(builds from source, about 5 minutes) ({e})"
+        ) from None
     if not _initialised:
         _SILENT = lc.llama_log_callback(_silent_log)
         lc.llama_backend_init()
@@ -92,8 +111,17 @@ class LlamaLM(LM):
     seq0, park = 0, PARK  # the trunk's sequence id and exact mode's parking one (a batch slot has its own)
     batch_error = None  # several generations share passes: batching.SharedContext
 
-    def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None, exact: bool = False,
-                 repack: bool = True, f32_kv: bool = False, flash_attn: int | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        n_ctx: int | None = None,
+        threads: int | None = None,
+        exact: bool = False,
+        repack: bool = True,
+        f32_kv: bool = False,
+        flash_attn: int | None = None,
+    ):
         """exact: passes can compute each token's logits bit for bit as a pass of that token alone would (exact
         greedy mode): flash attention on (one query row at a time; plain attention's matrix products change
         kernels with the pass size), and rejected tree nodes below an accepted one kept as parked cells (attention
@@ -117,8 +145,10 @@ class LlamaLM(LM):
         mparams.use_extra_bufts = repack
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
-            raise SpecDecodeError(f"llama.cpp could not load {self.path} (is the file complete and a GGUF model "
-                                  "of an architecture this llama.cpp knows?)")
+            raise SpecDecodeError(
+                f"llama.cpp could not load {self.path} (is the file complete and a GGUF model "
+                "of an architecture this llama.cpp knows?)"
+            )
         self._ctx = None
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.vocab_size = int(lc.llama_vocab_n_tokens(self._vocab))
@@ -167,14 +197,25 @@ class LlamaLM(LM):
         pass as rollback drops rejected nodes (exact mode parks those before the chain's last token, as rollback
         does). A ubatch takes the free cells from llama.cpp's head in batch order, so slot k is cell start + k."""
         lc, start = self._lc, len(self.ids)
-        if (self.trunk != start or len(slots) != len(ids) or list(slots) != sorted(set(slots)) or not ids
-                or not 0 <= slots[0] <= slots[-1] < size <= N_BATCH or start + size + self.parked > self._cells):
-            raise SpecDecodeError(f"place_chain: {len(ids)} tokens at slots {slots} of a {size}-token pass need "
-                                  f"ascending slots inside the pass, no tree cached and room ({start} cached)")
+        if (
+            self.trunk != start
+            or len(slots) != len(ids)
+            or list(slots) != sorted(set(slots))
+            or not ids
+            or not 0 <= slots[0] <= slots[-1] < size <= N_BATCH
+            or start + size + self.parked > self._cells
+        ):
+            raise SpecDecodeError(
+                f"place_chain: {len(ids)} tokens at slots {slots} of a {size}-token pass need "
+                f"ascending slots inside the pass, no tree cached and room ({start} cached)"
+            )
         sid, chain, fillers, tokens = self._free[-1], iter(ids), [], []
         for s in range(size):  # a filler's position: its rank among the fillers (a sequence of its own)
-            tokens.append((next(chain), start + s - len(fillers), [self.seq0], False) if s in slots
-                          else (filler, len(fillers), [sid], False))
+            tokens.append(
+                (next(chain), start + s - len(fillers), [self.seq0], False)
+                if s in slots
+                else (filler, len(fillers), [sid], False)
+            )
             fillers += [] if s in slots else [s]
         self._decode(tokens)
         if self.exact:
@@ -202,10 +243,20 @@ class LlamaLM(LM):
     def describe(self) -> str:
         """What pass costs depend on: the file, the llama.cpp build, the threads."""
         st = self.path.stat()
-        return "|".join(["llama.cpp", getattr(self._lc, "__version__", "?"), str(self.path.resolve()), str(st.st_size),
-                         str(st.st_mtime_ns), self.dtype, str(self.threads),
-                         f"fa{self._cparams.flash_attn_type}-ctx{FIRST_CTX}" + ("-exact" if self.exact else "")
-                         + ("" if self.repack else "-norepack")])
+        return "|".join(
+            [
+                "llama.cpp",
+                getattr(self._lc, "__version__", "?"),
+                str(self.path.resolve()),
+                str(st.st_size),
+                str(st.st_mtime_ns),
+                self.dtype,
+                str(self.threads),
+                f"fa{self._cparams.flash_attn_type}-ctx{FIRST_CTX}"
+                + ("-exact" if self.exact else "")
+                + ("" if self.repack else "-norepack"),
+            ]
+        )
 
     def synchronize(self) -> None:
         self._lc.llama_synchronize(self._ctx)
@@ -232,8 +283,9 @@ class LlamaLM(LM):
         self._cparams.n_ctx = self._asked = max(cells, N_BATCH)  # llama.cpp caps a batch at the context's size
         self._ctx = lc.llama_init_from_model(self._model, self._cparams)
         if not self._ctx:
-            raise EngineUnavailable(f"llama.cpp could not create a context for {self.path} (n_ctx={cells}; "
-                                    "out of memory?)")
+            raise EngineUnavailable(
+                f"llama.cpp could not create a context for {self.path} (n_ctx={cells}; out of memory?)"
+            )
         self._mem = lc.llama_get_memory(self._ctx)
         self._cells = int(lc.llama_n_ctx(self._ctx))
 
@@ -272,7 +324,7 @@ class LlamaLM(LM):
         head, a = (min(prompt, len(text)) if self.exact else len(text)), 0
         while a < len(text):
             step = self.feed_step(head - a) if a < head else 1
-            self.forward(text[a:a + step], last_only=True)
+            self.forward(text[a : a + step], last_only=True)
             a += step
             self.prompt_read = min(prompt, a)
             if a < len(text) and self.interrupt is not None and self.interrupt():
@@ -324,8 +376,10 @@ class LlamaLM(LM):
         if start + n + self.parked > self._cells and start + n <= self.max_length + MAX_SEQ and self.trunk == start:
             self.reserve(start + n)
         if start + n + self.parked > self._cells:
-            raise EngineUnavailable(f"llama.cpp context overflow: {start} + {n} tokens (+ {self.parked} parked cells) "
-                                    f"> {self._cells} cache cells")
+            raise EngineUnavailable(
+                f"llama.cpp context overflow: {start} + {n} tokens (+ {self.parked} parked cells) "
+                f"> {self._cells} cache cells"
+            )
         bad = [t for t in new_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {self.vocab_size}")
@@ -342,10 +396,14 @@ class LlamaLM(LM):
         if j == n:  # a causal chain: in passes of feed_step tokens
             out, a = [], 0
             while a < n:
-                chunk = new_ids[a:a + self.feed_step(n - a)]  # asked each pass: a batch slot's changes
+                chunk = new_ids[a : a + self.feed_step(n - a)]  # asked each pass: a batch slot's changes
                 last, want = a + len(chunk) == n, len(chunk) - 1
-                rows = self._decode([(t, start + a + k, [self.seq0], not last_only or (last and k == want))
-                                     for k, t in enumerate(chunk)])
+                rows = self._decode(
+                    [
+                        (t, start + a + k, [self.seq0], not last_only or (last and k == want))
+                        for k, t in enumerate(chunk)
+                    ]
+                )
                 out += [] if rows is None else [rows]
                 self.ids.extend(chunk)
                 self.trunk, a = len(self.ids), a + len(chunk)
@@ -357,16 +415,20 @@ class LlamaLM(LM):
         if n > N_BATCH:
             raise SpecDecodeError(f"a tree pass of {n} tokens exceeds llama.cpp's batch of {N_BATCH}")
         if n - n_trunk > len(self._free):
-            raise SpecDecodeError(f"the llama.cpp backend holds at most {self.max_tree_nodes} tree nodes in its cache "
-                                  f"({n - n_trunk} more were fed with {len(self.ids) - self.trunk} cached)")
+            raise SpecDecodeError(
+                f"the llama.cpp backend holds at most {self.max_tree_nodes} tree nodes in its cache "
+                f"({n - n_trunk} more were fed with {len(self.ids) - self.trunk} cached)"
+            )
         trunk_after = self.trunk + n_trunk
         for b in range(n_trunk, n):  # all checks before any sequence id is taken
             par = parents[b]
             if not -1 <= par < start + b:
                 raise ValueError(f"token {b} of a tree pass has parent {par}; a parent must come before it")
             if par < trunk_after and par != trunk_after - 1:
-                raise ValueError(f"token {b} of a tree pass hangs off entry {par}, inside the committed text; "
-                                 f"a tree hangs off its last entry ({trunk_after - 1})")
+                raise ValueError(
+                    f"token {b} of a tree pass hangs off entry {par}, inside the committed text; "
+                    f"a tree hangs off its last entry ({trunk_after - 1})"
+                )
         seqs = [[self.seq0] for _ in range(n_trunk)]  # the batch's sequence ids per token (own id first)
         pos = list(range(start, start + n_trunk))
         new_parent, new_seq = [], []
@@ -412,8 +474,10 @@ class LlamaLM(LM):
         batch.n_tokens = len(tokens)
         rc = compute.call(lc.llama_decode, self._ctx, batch)  # one thread for every pass (compute.py)
         if rc != 0:
-            raise EngineUnavailable(f"llama_decode failed with status {rc} ({len(tokens)} tokens, "
-                                    f"{len(self.ids)} cached, n_ctx {self.max_length})")
+            raise EngineUnavailable(
+                f"llama_decode failed with status {rc} ({len(tokens)} tokens, "
+                f"{len(self.ids)} cached, n_ctx {self.max_length})"
+            )
         if not n_out:
             return None
         ptr = lc.llama_get_logits(self._ctx)
@@ -429,7 +493,7 @@ class LlamaLM(LM):
             m, k = m + 1, k + 1
         branch = path[k:] if m >= length else list(range(m, length)) + path
         if not path and length > self.trunk:  # rolled back inside the tree: keep those nodes as they are
-            for sid in self.seq[length - self.trunk:]:
+            for sid in self.seq[length - self.trunk :]:
                 lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
                 self._free.append(sid)
             k = length - self.trunk

@@ -3,6 +3,7 @@
 Draft weights never change the output's distribution (the target verifies every token), so the draft may run in
 whichever llama.cpp type is fastest on this machine. Candidates: the file as shipped, and DRAFT_QUANTS.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,6 +23,7 @@ DRAFT_QUANTS = {"Q4_0": 2, "Q8_0": 7}  # name -> llama_ftype (LLAMA_FTYPE_MOSTLY
 def requantize(src: Path, name: str, threads: int | None = None) -> Path:
     """src requantized to `name` (a DRAFT_QUANTS key), written once into the cache (seconds)."""
     from ...host import cache_dir
+
     lc = _lib()
     st = src.stat()
     key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -63,11 +65,22 @@ def fastest_draft(src: Path, threads: int | None = None, progress: bool = True) 
     pass on this machine. Measured once per machine, file, llama.cpp build and thread count; the
     choice and the timings are cached under the cache dir's costs/ and returned as a report."""
     from ...host import cache_dir, cpu_name as _cpu_name
+
     threads = threads or default_threads()
     lc = _lib()
     st = src.stat()
-    key = hashlib.sha256("|".join([_cpu_name(), str(threads), getattr(lc, "__version__", "?"), str(src.resolve()),
-                                   str(st.st_size), str(st.st_mtime_ns)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "|".join(
+            [
+                _cpu_name(),
+                str(threads),
+                getattr(lc, "__version__", "?"),
+                str(src.resolve()),
+                str(st.st_size),
+                str(st.st_mtime_ns),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     record = cache_dir() / "costs" / f"draft-quant-{key}.json"
     if record.is_file():
         try:
@@ -77,9 +90,14 @@ def fastest_draft(src: Path, threads: int | None = None, progress: bool = True) 
         except (ValueError, KeyError, TypeError, SpecDecodeError):
             pass  # a damaged record: measure again
     from tqdm.auto import tqdm
+
     seconds, types = {}, {}
-    for name in tqdm(["original", *DRAFT_QUANTS], desc="choosing the draft's fastest quantization (once)",
-                     disable=not progress, leave=False):
+    for name in tqdm(
+        ["original", *DRAFT_QUANTS],
+        desc="choosing the draft's fastest quantization (once)",
+        disable=not progress,
+        leave=False,
+    ):
         path = src if name == "original" else requantize(src, name, threads)
         lm = LlamaLM(path, n_ctx=512, threads=threads)
         seconds[name], types[name] = one_token_seconds(lm), lm.dtype

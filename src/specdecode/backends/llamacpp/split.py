@@ -8,6 +8,7 @@ either of them sees: a prompt's chunk beside the one-token steps of generations 
 cells too (measured: docs/results/notes.md#code-mixed-tiles). A call under FA_TILE tokens attends row by row and
 skips each masked cell: mixing costs nothing there.
 """
+
 from __future__ import annotations
 
 import time
@@ -31,8 +32,14 @@ def mixing(sizes: list[int], cells: list[int], in_use: int, per_cell: float) -> 
     return per_cell * max(0, in_use - cells[big])
 
 
-def plan_split(sizes: list[int], cost: Callable[[int], float] | None, cap: int = N_BATCH,
-               cells: list[int] | None = None, in_use: int = 0, per_cell: float = 0.0) -> list[int]:
+def plan_split(
+    sizes: list[int],
+    cost: Callable[[int], float] | None,
+    cap: int = N_BATCH,
+    cells: list[int] | None = None,
+    in_use: int = 0,
+    per_cell: float = 0.0,
+) -> list[int]:
     """Where to cut a list of passes (their token counts, in order) into llama_decode calls: the cut that
     costs least by `cost` (seconds of one whole call over n tokens of several generations, as
     SharedContext.time_calls measures it; None: one call per N_BATCH tokens) plus `mixing` (cells: each pass's
@@ -80,6 +87,7 @@ def time_mixing(shared, context: int = 128, far: int = 1024, repeats: int = 3) -
             shared._lc.llama_memory_seq_rm(shared.mem, a.seq0, context, -1)
             shared._lc.llama_memory_seq_rm(shared.mem, b.seq0, step_at, -1)
         return best
+
     try:
         for slot in (a, b):
             slot.reset()
