@@ -354,13 +354,13 @@ def test_apply_through_the_server_sends_the_file_as_the_prediction(live, app_fil
     answer has no code block, so the command says so (exit 1) and the file stays as it was."""
     from specdecode.engine import Engine
 
-    seen, real = [], Engine.stream
+    seen, real = [], Engine.open
 
-    def stream(self, prompt, **kwargs):
-        seen.append({"prompt": prompt, **kwargs})
-        return real(self, prompt, **kwargs)
+    def open_(self, request):  # what the server opens: the typed request (or it encoded)
+        seen.append(getattr(request, "request", request))
+        return real(self, request)
 
-    monkeypatch.setattr(Engine, "stream", stream)
+    monkeypatch.setattr(Engine, "open", open_)
     code, out, err = run_apply(
         capsys,
         app_file,
@@ -378,6 +378,6 @@ def test_apply_through_the_server_sends_the_file_as_the_prediction(live, app_fil
     assert f"| server {live.url} (model tiny)" in err and "apply: 16 tokens" in err and "(measured" in err
     assert "no fenced code block" in err
     first, plain = seen
-    assert OLD in first["prompt"][0]["content"] and INSTRUCTION in first["prompt"][0]["content"]
-    assert first["prediction"] == f"```python\n{OLD}```" and first["method"] == "pld" and first["max_new_tokens"] == 16
-    assert plain["method"] == "autoregressive" and plain["prediction"] is None
+    assert OLD in first.prompt[0]["content"] and INSTRUCTION in first.prompt[0]["content"]
+    assert first.prediction == f"```python\n{OLD}```" and first.method == "pld" and first.max_new_tokens == 16
+    assert plain.method == "autoregressive" and plain.prediction is None
