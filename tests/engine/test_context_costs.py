@@ -196,6 +196,31 @@ def test_a_copy_is_cut_at_a_timed_pass_size():
     assert best_cut([1.0] * 70, ZEN4, 0.0, keep_all=False, max_nodes=70, measured_only=True)[1] == 63
 
 
+def test_a_copy_rides_no_pass_longer_than_a_stream_may_pause(monkeypatch):
+    """A sure copy where a pass of 128 tokens costs least per token but takes 1.6 s: the ride keeps to passes of at
+    most MAX_PASS_S (here the timed 64, 1.4 s), so a stream never waits that long for its next token. Control: with
+    the cap lifted it takes the 128."""
+    from specdecode.drafters.copy import followed
+    from specdecode.drafters.lookup import Lookup
+
+    seconds = CostModel({1: 0.05, 16: 0.5, 32: 0.9, 64: 1.4, 128: 1.6})
+    prompt, prediction = list(range(10)), list(range(1000, 1400))
+
+    def ride_depth() -> int:
+        drafter = TreeDrafter(
+            None, costs=seconds, state=TreeState(), lookup=Lookup(None, None, copies=followed(prompt, prediction))
+        )
+        ids = prompt + prediction[:100]  # a hundred tokens copied cleanly
+        drafter.prefill(ids)
+        draft = drafter.propose(ids, 200, GREEDY)
+        assert draft.strategy == "copy"
+        return len(draft.tokens)
+
+    assert tree_mod.MAX_PASS_S * 1.0 < seconds.t(128) and ride_depth() == 63
+    monkeypatch.setattr(tree_mod, "MAX_PASS_S", 10.0)
+    assert ride_depth() == 127
+
+
 def test_lookup_tree_uses_the_cheaper_bigger_pass():
     """End to end through the tree drafter: a lookup chain of guesses is cut at 3 nodes (a pass of 4)
     where that pass is the cheaper one, at 1 node where passes grow monotonically."""

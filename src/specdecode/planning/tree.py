@@ -52,6 +52,10 @@ LONG_CATCHUP = 512  # unread tokens from which the draft model's catch-up waits 
 CATCHUP_WAIT = 16  # tokens a generation writes before that catch-up may be paid
 MAX_COPY_DEPTH = 127  # a followed copy's chain (drafters/copy.py) may go this deep (a pass of 128 tokens, the largest
 # the cost model times), where the measured passes pay
+MAX_PASS_S = 1.5  # the longest modelled pass a copy is verified in: a longer one is a pause in a stream (a client
+# waits that long for its next token), so at long contexts a copy rides passes of fewer tokens; on a machine whose
+# plain step is slow, a pause of MAX_PASS_STEPS steps is allowed (the stream is slow there anyway)
+MAX_PASS_STEPS = 24
 RIDE_MARGIN = 1.2  # a step rides the copy alone (no tree, no draft model) when its chain's modelled rate beats
 # plain decoding's by this much; below it the copy's guesses join the tree like other lookup guesses
 
@@ -213,9 +217,12 @@ class TreeDrafter:
 
     def _ride(self, ids: list[int], depth: int) -> Draft | None:
         """The followed copy's chain alone, cut at the timed pass size where its modelled rate is best (the whole
-        measured curve: on tiled kernels some sizes cost far less per token than their neighbours), if that rate
-        beats plain decoding's by RIDE_MARGIN (decided before anything is drawn: the choice never depends on a draw)."""
-        chain = self.lookup.copy_chain(ids, depth)
+        measured curve: on tiled kernels some sizes cost far less per token than their neighbours) among those no
+        slower than MAX_PASS_S (or MAX_PASS_STEPS plain steps), if that rate beats plain decoding's by RIDE_MARGIN
+        (decided before anything is drawn: the choice never depends on a draw)."""
+        longest = max(MAX_PASS_S, MAX_PASS_STEPS * self._now.t(1))
+        depth = min(depth, max((k for k in self._now.target if self._now.t(k) <= longest), default=1) - 1)
+        chain = self.lookup.copy_chain(ids, depth) if depth > 0 else None
         if chain is None:
             return None
         rate, n, _ = best_cut(chain.values, self._now, 0.0, keep_all=False, max_nodes=depth, measured_only=True)
