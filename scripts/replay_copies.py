@@ -97,6 +97,7 @@ def main() -> None:
             continue
         answer = json.loads(r["token_ids"]) if isinstance(r["token_ids"], str) else r["token_ids"]
         prompt = tok.apply_chat_template([{"role": "user", "content": t["turns"][0]}], add_generation_prompt=True)
+        prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt  # transformers 5 returns a mapping
         prediction = tok.encode(t["prediction"]) if t.get("prediction") else None
         seconds, steps = replay(list(prompt), prediction, answer, costs)
         plain = sum(costs.t(1, len(prompt) + i) for i in range(1, len(answer)))
