@@ -54,7 +54,7 @@ import pytest
 import torch
 from transformers.cache_utils import Cache
 
-import specdecode.engine as engine_mod
+import specdecode.builders as builders_mod
 import specdecode.verify as verify_mod  # noqa: E402  (verify.verdict calls verify, verify_tree from here)
 from helpers import accept_everything, gof_pvalue, no_residual_update, residual_is_p
 from specdecode import Engine, SamplingParams
@@ -514,7 +514,7 @@ def sample_engine(engine, monkeypatch, method: str, setting: str, n: int, seed0:
         _lookup_sources(engine, monkeypatch, Path(tempfile.mkdtemp()))
     # auto runs its first AUTO_PROBE_STEPS steps of each generation without the draft model (a measured
     # baseline); with 3 tokens per generation it would never draft: the draft model drafts from step 1
-    monkeypatch.setattr(engine_mod, "AUTO_PROBE_STEPS", 0, raising=False)
+    monkeypatch.setattr(builders_mod, "AUTO_PROBE_STEPS", 0)
     _spy_on_tree_drafts(monkeypatch)
     k = _workers()
     seeds = range(seed0, seed0 + n)
