@@ -3,13 +3,13 @@
 A copy that is always right emits k tokens per k-token pass (k - 1 guesses and the bonus), so its best rate at a
 context of c cached tokens is max over the timed sizes k of k / T(k, c). Summed over the answer's own tokens, each at
 the context it is written at, this gives the decode time no drafter can beat on these costs; the bench reports it
-beside `auto` with the share of the answer that copies the prediction (OpenAI's accepted_prediction_tokens).
+beside `auto` with the share of the answer that copies the prediction (the generation's accepted_prediction_tokens
+over its tokens).
 """
 
 from __future__ import annotations
 
 from ..planning.costs import CostModel
-from ..prediction import prediction_usage
 
 
 def copy_bound(costs: CostModel, prompt_tokens: int, new_tokens: int) -> float | None:
@@ -20,11 +20,3 @@ def copy_bound(costs: CostModel, prompt_tokens: int, new_tokens: int) -> float |
     sizes = sorted(costs.target)
     seconds = sum(min(costs.t(k, prompt_tokens + i) / k for k in sizes) for i in range(1, new_tokens))
     return (new_tokens - 1) / seconds
-
-
-def copied_share(prediction_ids, completion_ids, finished: bool) -> float | None:
-    """The share of the answer's tokens that copy the prediction (along their longest common subsequence)."""
-    if not prediction_ids or not completion_ids:
-        return None
-    accepted, _ = prediction_usage(prediction_ids, completion_ids, finished)
-    return accepted / len(completion_ids)

@@ -15,7 +15,7 @@ from ..host import cpu_description
 from ..launch.describe import hugepages_status
 from ..methods import BASELINE, DEFAULT_GAMMA, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 from ..request import Request
-from .bound import copied_share, copy_bound
+from .bound import copy_bound
 from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, has_flag, hf_assisted
 from .server_peer import SERVER_PEERS, close_peers, make_server_peers
 from .summary import decode_rate, summarize
@@ -257,7 +257,7 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
             "strategies": None,
             "sources": None,
         }
-    g = engine.open(
+    stream = engine.open(
         Request(
             p["prompt"],
             chat=p["chat"],
@@ -269,7 +269,8 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
             prediction=p.get("prediction"),
             **(tree or {} if has_flag(method, "tree_options") else {}),
         )
-    ).run()
+    )
+    g = stream.run()
     s = g.stats
     return {
         "token_ids": g.token_ids,
@@ -300,18 +301,17 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
         "modelled_s": s.modelled_s,
         "plain_step_s": s.plain_step_s,
         "strategies": s.strategies,
-        **_against_a_copy(engine, p, method, g),
+        **_against_a_copy(engine, method, stream.prediction_ids, g),
     }
 
 
-def _against_a_copy(engine, p: dict, method: str, g) -> dict:
-    """With a prediction, for the methods that plan on the measured costs: the share of the answer that copies it,
-    and the perfect-copy bound of its decoding on this machine (bench/bound.py)."""
-    if not p.get("prediction") or not has_flag(method, "uses_cost_model"):
+def _against_a_copy(engine, method: str, prediction_ids, g) -> dict:
+    """With a prediction, for the methods that plan on the measured costs: the share of the answer that copies it
+    (the generation's accepted_prediction_tokens) and the perfect-copy bound of its decoding here (bench/bound.py)."""
+    if not prediction_ids or not has_flag(method, "uses_cost_model"):
         return {}
     s = g.stats
-    ids = engine.encode_prediction(p["prediction"])
     return {
-        "prediction_copied": copied_share(ids, g.token_ids, s.finish_reason == "eos"),
+        "prediction_copied": s.accepted_prediction_tokens / len(g.token_ids) if g.token_ids else None,
         "copy_bound_tokens_per_second": copy_bound(engine.tree_costs(), s.prompt_tokens, s.new_tokens),
     }
