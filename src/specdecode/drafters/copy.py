@@ -70,10 +70,10 @@ class Alignment:
         self.last = 0  # where the reference was last followed: re-synchronisation looks near it first
         self.run = 0  # tokens copied in a row (at a re-synchronisation: the common run found)
         self.seen = 0  # output tokens already followed
-        self.copied = 0  # output tokens that went on as the reference did, while aligned
-        self.breaks = 0  # times the output left the reference while aligned
         self.since = 0  # tokens copied since the alignment was last made (at the start, a re-synchronisation)
-        self.near, self.far = [0, 0], [0, 0]  # (copied, breaks) within NEAR tokens of an alignment's making, and past
+        # (copied, breaks) within NEAR tokens of an alignment's making, and past them: output tokens that went on as the
+        # reference did while aligned, and times the output left it
+        self.near, self.far = [0, 0], [0, 0]
         self._broke: tuple[int, int] | None = None  # (output index, reference position) of the last break
         self._edits: dict[tuple, tuple] = {}  # substitutions the output made: reference span -> what it wrote
         self._by_first: dict[int, list[tuple]] = {}  # their reference spans by first token, longest first
@@ -108,7 +108,6 @@ class Alignment:
                     self.held[1] += 1
                     self.tentative, self.pos, self.run, self.pending = False, None, 0, []
                 else:
-                    self.breaks += 1
                     (self.near if self.since < NEAR else self.far)[1] += 1
                     self._broke = (i, self.pos)
                     self.last, self.pos, self.run, self.pending = self.pos, None, 0, []
@@ -153,7 +152,6 @@ class Alignment:
         else:
             self.pos += 1
         self.run += 1
-        self.copied += 1
         (self.near if self.since < NEAR else self.far)[0] += 1
         self.since += 1
 
@@ -220,6 +218,14 @@ class Alignment:
         if best_end is not None and best_end < len(ref):
             self.pos, self.run, self.tentative, self.since = best_end, best_run, False, 0
             self._learn(out, n)
+
+    @property
+    def copied(self) -> int:
+        return self.near[0] + self.far[0]
+
+    @property
+    def breaks(self) -> int:
+        return self.near[1] + self.far[1]
 
     def hazards(self, n: int) -> list[float]:
         """P(the output leaves the reference at each of its next n tokens) while it genuinely copies it: near an
