@@ -5,8 +5,9 @@ time of `auto`'s lookup and copy steps (no draft model), free of the machine's n
 Each answer of `auto` in a bench's results.json is replayed step by step: the drafter proposes from the prompt and
 the prediction (as the engine builds them), the known answer stands in for the target's greedy verdict, and each pass
 is priced T(k) at its context from the cost table. Prints, per task, the passes, the modelled speed-up over plain
-decoding, the share of the perfect-copy bound (bench/bound.py) and the realised decode speed; -v prints the steps
-(c: copy, l: lookup, p: plain; drafted/accepted). The copy constants can be set for a trial: --set NEAR=12.
+decoding, the share of the perfect-copy bound and of the plan that knows the edit points (bench/bound.py), and the
+realised decode speed; -v prints the steps (c: copy, l: lookup, p: plain; drafted/accepted). The copy constants can
+be set for a trial: --set NEAR=12.
 
     python scripts/replay_copies.py out/results.json edits.jsonl ~/.cache/specdecode/costs/<key>.json \\
         --tokenizer ~/.cache/specdecode/tokenizers/<target>
@@ -20,7 +21,7 @@ import math
 
 from transformers import AutoTokenizer
 
-from specdecode.bench.bound import copy_bound
+from specdecode.bench.bound import copy_bound, oracle_bound
 from specdecode.drafters import copy as copy_module
 from specdecode.drafters.copy import followed
 from specdecode.drafters.lookup import Lookup
@@ -102,12 +103,14 @@ def main() -> None:
         seconds, steps = replay(list(prompt), prediction, answer, costs)
         plain = sum(costs.t(1, len(prompt) + i) for i in range(1, len(answer)))
         bound = copy_bound(costs, len(prompt), len(answer))
+        oracle = oracle_bound(costs, len(prompt), answer, list(prediction or ()))
         rate = (len(answer) - 1) / seconds
         logs.append(math.log(plain / seconds))
         realised = r["decode_tokens_per_second"]
         print(
             f"{r['prompt_id']:20s} new {len(answer):5d} passes {len(steps):4d} modelled {rate:6.1f} tok/s "
-            f"= {plain / seconds:.2f}x plain, {rate / bound:.2f} of the bound; realised {realised:.1f}"
+            f"= {plain / seconds:.2f}x plain, {rate / bound:.2f} of the bound (oracle {oracle / bound:.2f}); "
+            f"realised {realised:.1f}"
         )
         if args.v:
             print("   ", " ".join(steps))

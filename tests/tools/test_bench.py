@@ -1,5 +1,6 @@
 """The benchmark harness end to end on tiny models, plus its arithmetic on known numbers."""
 
+import importlib
 import json
 
 import pytest
@@ -680,7 +681,54 @@ def test_copy_bound_on_known_pass_costs():
     assert copy_bound(flat, 100, 1) is None
 
 
-def test_bench_reports_copies_against_their_bound(tiny_dirs, tmp_path, capsys):
+def test_oracle_bound_knows_the_edit_points():
+    """The plan that knows where the answer leaves the prediction: a copied run rides the cheapest passes, a changed
+    token is a pass's bonus; a prediction that shares nothing is decoded plainly."""
+    from specdecode.bench.bound import copy_bound, oracle_bound
+    from specdecode.planning.costs import CostModel
+
+    costs = CostModel({1: 0.04, 16: 0.16})
+    answer = list(range(100, 133))  # 33 tokens: the first comes from the prompt's read, 32 are decoded
+    assert oracle_bound(costs, 50, answer, answer) == pytest.approx(copy_bound(costs, 50, 33))  # two 16-token passes
+    changed = answer[:10] + [7] + answer[11:]
+    # 1..10 in one pass (token 10 its bonus), 11..26 in a second, 27..32 in a third padded to 16: 3 x 0.16 s
+    assert oracle_bound(costs, 50, changed, answer) == pytest.approx(32 / 0.48)
+    assert oracle_bound(costs, 50, answer, [1, 2, 3]) == pytest.approx(25.0)  # nothing copied: plain steps
+    assert oracle_bound(costs, 50, answer[:1], answer) is None
+
+
+def test_timed_copy_bound_verifies_the_answer_in_the_cheapest_passes():
+    """The timed perfect copy reads the prompt, then feeds the answer's own tokens in the pass sizes the cost table
+    prices best per token, and leaves the cache empty."""
+    import torch
+
+    from specdecode.bench.bound import timed_copy_bound
+    from specdecode.planning.costs import CostModel
+
+    class Recorder:
+        def __init__(self):
+            self.fed, self.cache = [], []
+
+        def reset(self):
+            self.cache = []
+
+        def forward(self, ids, last_only=False):
+            self.fed.append(list(ids))
+            self.cache += list(ids)
+            return torch.zeros(1 if last_only else len(ids), 8)
+
+        def synchronize(self):
+            pass
+
+    lm, answer = Recorder(), list(range(200, 221))  # 21 tokens: 20 decoded
+    rate = timed_copy_bound(lm, CostModel({1: 0.04, 4: 0.08, 8: 0.24}), [1, 2, 3], answer)
+    assert rate > 0 and lm.cache == []
+    assert lm.fed[0] == [1, 2, 3]
+    assert [len(x) for x in lm.fed[1:]] == [4] * 5  # 4 tokens for 2 plain steps is the cheapest per token
+    assert sum(lm.fed[1:], []) == answer[:20]  # each pass feeds the last token written and the next guesses
+
+
+def test_bench_reports_copies_against_their_bound(tiny_dirs, tmp_path, capsys, monkeypatch):
     target, draft = tiny_dirs
     prompts = tmp_path / "edits.jsonl"
     rows = [
@@ -714,6 +762,7 @@ def test_bench_reports_copies_against_their_bound(tiny_dirs, tmp_path, capsys):
     assert 0 <= e1["prediction_copied"] <= 1 and e1["copy_bound_tokens_per_second"] > 0
     copied = e1["prediction_copied"] * e1["new_tokens"]  # the generation's accepted_prediction_tokens
     assert copied == pytest.approx(round(copied))
+    assert e1["oracle_tokens_per_second"] > 0
     assert "copy_bound_tokens_per_second" not in by[("e2", "auto")]  # no prediction: no bound
     assert "autoregressive" in {m for _, m in by} and "copy_bound_tokens_per_second" not in by[("e1", "autoregressive")]
     report = (out / "report.md").read_text()
@@ -722,3 +771,15 @@ def test_bench_reports_copies_against_their_bound(tiny_dirs, tmp_path, capsys):
         and "| e1 | auto |" in report
         and "| e2 |" not in report.split("## Copies against their bound")[1].split("##")[0]
     )
+    assert e1["timed_copy_bound_tokens_per_second"] is None  # a partial copy: not timed
+    # a copy (here: at least half, the tiny byte model's text does not re-tokenize to its ids) is also timed in the run
+    for module in ("specdecode.bench.run", "specdecode.bench.report"):
+        monkeypatch.setattr(importlib.import_module(module), "COPIED", 0.5)
+    prompts.write_text(json.dumps({**rows[0], "prediction": e1["text"]}) + "\n")
+    args = ["bench", "--prompts", str(prompts), "--methods", "auto", "--max-new-tokens", "8"]
+    assert main(args + ["--target", str(target), "--draft", str(draft), "--out", str(tmp_path / "again")]) == 0
+    (whole,) = [
+        r for r in json.loads((tmp_path / "again" / "results.json").read_text())["prompts"] if r["method"] == "auto"
+    ]
+    assert whole["prediction_copied"] >= 0.5 and whole["timed_copy_bound_tokens_per_second"] > 0
+    assert "✓" in (tmp_path / "again" / "report.md").read_text()

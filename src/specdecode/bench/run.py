@@ -15,7 +15,7 @@ from ..host import cpu_description
 from ..launch.describe import hugepages_status
 from ..methods import BASELINE, DEFAULT_GAMMA, METHOD_TABLE, REQUIRED, in_default_run, wants_draft_model
 from ..request import Request
-from .bound import copy_bound
+from .bound import COPIED, copy_bound, oracle_bound, timed_copy_bound
 from .peers import BENCH_METHODS, DRAFT_PEERS, PEERS, LlamaPeer, has_flag, hf_assisted
 from .server_peer import SERVER_PEERS, close_peers, make_server_peers
 from .summary import decode_rate, summarize
@@ -301,17 +301,26 @@ def _run_one(engine, p, method, gamma, max_new_tokens, temperature, seed, tree=N
         "modelled_s": s.modelled_s,
         "plain_step_s": s.plain_step_s,
         "strategies": s.strategies,
-        **_against_a_copy(engine, method, stream.prediction_ids, g),
+        **_against_a_copy(engine, method, stream, g),
     }
 
 
-def _against_a_copy(engine, method: str, prediction_ids, g) -> dict:
+def _against_a_copy(engine, method: str, stream, g) -> dict:
     """With a prediction, for the methods that plan on the measured costs: the share of the answer that copies it
-    (the generation's accepted_prediction_tokens) and the perfect-copy bound of its decoding here (bench/bound.py)."""
+    (the generation's accepted_prediction_tokens), the perfect-copy bound of its decoding here and the plan that knows
+    the edit points (bench/bound.py); for an answer that copies at least COPIED of it, the perfect copy timed now."""
+    prediction_ids = stream.prediction_ids
     if not prediction_ids or not has_flag(method, "uses_cost_model"):
         return {}
-    s = g.stats
+    s, costs = g.stats, engine.tree_costs()
+    copied = s.accepted_prediction_tokens / len(g.token_ids) if g.token_ids else None
+    timed = None
+    if copied is not None and copied >= COPIED:
+        with engine.lease.held("timing a perfect copy"):
+            timed = timed_copy_bound(engine.target, costs, list(stream.prompt_ids), list(g.token_ids))
     return {
-        "prediction_copied": s.accepted_prediction_tokens / len(g.token_ids) if g.token_ids else None,
-        "copy_bound_tokens_per_second": copy_bound(engine.tree_costs(), s.prompt_tokens, s.new_tokens),
+        "prediction_copied": copied,
+        "copy_bound_tokens_per_second": copy_bound(costs, s.prompt_tokens, s.new_tokens),
+        "timed_copy_bound_tokens_per_second": timed,
+        "oracle_tokens_per_second": oracle_bound(costs, s.prompt_tokens, list(g.token_ids), list(prediction_ids)),
     }
