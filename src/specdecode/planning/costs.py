@@ -25,15 +25,16 @@ DRAFT_SIZES = (1, 2, 4, 8)
 DRAFT_READ = 128  # one draft pass over this many tokens: what catching the draft up on unseen text costs
 CONTEXT = 128  # tokens already cached when timing the base table: a typical short prompt
 LONG_CONTEXTS = (1024, 2048)  # also timed where the model's context holds them: attention grows with the text
-LONG_SIZES = 64  # at the long contexts, passes up to this many tokens (past it: the base table's shape)
-FORMAT = 5  # the cache file's format: tables at several contexts, measured as they are (not made monotone), every pass
-# on the one compute thread (backends/compute.py), target passes up to 128 tokens with no stop on a size's cost
+LONG_SIZES = 128  # at the long contexts, passes up to this many tokens: a followed copy's deepest (tree.MAX_COPY_DEPTH)
+FORMAT = 6  # the cache file's format: tables at several contexts, measured as they are (not made monotone), every pass
+# on the one compute thread (backends/compute.py), target passes up to 128 tokens with no stop on a size's cost, at
+# every context
 MEASURE_BUDGET_S = 60.0  # the base table's first round stops adding sizes once it has taken a third of this: a slow
 # machine (bf16 torch without AMX) extrapolates its biggest passes rather than spend minutes on its first run
 # the long-context tables are timed only while their estimated time (reading the context, then the passes) fits
 # this budget: on a slow machine (bf16 torch on an AVX2-only CPU: minutes per table) the first run stays short,
 # and the costs there do not depend on the context length
-LONG_BUDGET_S = 90.0
+LONG_BUDGET_S = 120.0
 
 
 @dataclass
