@@ -698,34 +698,45 @@ def test_oracle_bound_knows_the_edit_points():
 
 
 def test_timed_copy_bound_verifies_the_answer_in_the_cheapest_passes():
-    """The timed perfect copy reads the prompt, then feeds the answer's own tokens in the pass sizes the cost table
-    prices best per token, and leaves the cache empty."""
+    """The timed perfect copy reads the prompt (only where the cache does not hold it), then feeds the answer's own
+    tokens in the pass sizes the cost table prices best per token, and leaves the cache empty."""
     import torch
 
     from specdecode.bench.bound import timed_copy_bound
     from specdecode.planning.costs import CostModel
 
     class Recorder:
-        def __init__(self):
-            self.fed, self.cache = [], []
+        def __init__(self, ids=()):
+            self.fed, self.ids = [], list(ids)
+            self.trunk = len(self.ids)
 
         def reset(self):
-            self.cache = []
+            self.ids = []
+
+        def rollback(self, length):
+            self.ids = self.ids[:length]
 
         def forward(self, ids, last_only=False):
             self.fed.append(list(ids))
-            self.cache += list(ids)
+            self.ids += list(ids)
             return torch.zeros(1 if last_only else len(ids), 8)
 
         def synchronize(self):
             pass
 
-    lm, answer = Recorder(), list(range(200, 221))  # 21 tokens: 20 decoded
-    rate = timed_copy_bound(lm, CostModel({1: 0.04, 4: 0.08, 8: 0.24}), [1, 2, 3], answer)
-    assert rate > 0 and lm.cache == []
+    costs, prompt, answer = CostModel({1: 0.04, 4: 0.08, 8: 0.24}), [1, 2, 3], list(range(200, 221))  # 20 decoded
+    lm = Recorder()
+    assert timed_copy_bound(lm, costs, prompt, answer) > 0 and lm.ids == []
     assert lm.fed[0] == [1, 2, 3]
     assert [len(x) for x in lm.fed[1:]] == [4] * 5  # 4 tokens for 2 plain steps is the cheapest per token
     assert sum(lm.fed[1:], []) == answer[:20]  # each pass feeds the last token written and the next guesses
+    # the answer's generation left the prompt and the answer cached: the prompt is not read again
+    lm = Recorder(prompt + answer)
+    assert timed_copy_bound(lm, costs, prompt, answer) > 0 and lm.ids == []
+    assert sum(lm.fed, []) == answer[:20]
+    lm = Recorder([1, 9])  # another text's cells: only the common start is kept, the rest of the prompt read
+    timed_copy_bound(lm, costs, prompt, answer)
+    assert lm.fed[0] == [2, 3]
 
 
 def test_bench_reports_copies_against_their_bound(tiny_dirs, tmp_path, capsys, monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from difflib import SequenceMatcher
 
+from ..backends.base import common_start
 from ..planning.costs import CostModel
 
 COPIED = 0.95  # an answer that copies at least this share of its prediction is judged against the perfect-copy bound
@@ -40,9 +41,10 @@ def copy_bound(costs: CostModel, prompt_tokens: int, new_tokens: int) -> float |
 
 
 def oracle_bound(costs: CostModel, prompt_tokens: int, answer: list[int], prediction: list[int]) -> float | None:
-    """Tokens per second of the fastest plan that knows which of the answer's tokens copy the prediction (its longest
-    common subsequence with it): from each point, a pass of any timed size k emits min(k, copied run ahead + 1)
-    tokens at cost T(k) (a pass may be padded up to a cheaper tile). None where there is nothing to decode."""
+    """Tokens per second of the fastest plan that knows which of the answer's tokens copy the prediction (difflib's
+    matching blocks of the two, a diff close to their longest common subsequence): from each point, a pass of any
+    timed size k emits min(k, copied run ahead + 1) tokens at cost T(k) (a pass may be padded up to a cheaper tile).
+    None where there is nothing to decode."""
     n = len(answer)
     if n < 2:
         return None
@@ -65,14 +67,22 @@ def oracle_bound(costs: CostModel, prompt_tokens: int, answer: list[int], predic
 def timed_copy_bound(lm, costs: CostModel, prompt_ids: list[int], answer: list[int]) -> float | None:
     """Tokens per second of a perfect copy of `answer` run on `lm` now: after the prompt is read (not timed), each pass
     verifies the answer's next tokens in the size `copy_bound` prices best at its context, and its greedy verdicts
-    are read (argmax per row). Leaves the cache empty. None where there is nothing to decode."""
+    are read (argmax per row). The prompt is read only where the cache does not hold it already. Leaves the cache
+    empty. None where there is nothing to decode."""
     if len(answer) < 2:
         return None
-    lm.reset()
-    lm.forward(list(prompt_ids), last_only=True)
+    prompt = list(prompt_ids)
+    # the prompt's committed cells are kept where the cache holds them (the answer's generation left them there)
+    kept = common_start(lm.ids, prompt, min(getattr(lm, "trunk", 0), len(prompt)))
+    if kept:
+        lm.rollback(kept)
+    else:
+        lm.reset()
+    if kept < len(prompt):
+        lm.forward(prompt[kept:], last_only=True)
     seconds, i = 0.0, 1
     while i < len(answer):
-        k = _best_size(costs, len(prompt_ids) + i, len(answer) - i)
+        k = _best_size(costs, len(prompt) + i, len(answer) - i)
         t = time.perf_counter()
         lm.forward(answer[i - 1 : i - 1 + k]).argmax(-1).tolist()
         lm.synchronize()
